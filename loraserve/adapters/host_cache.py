@@ -1,0 +1,66 @@
+"""Disk -> host loads on worker threads, handed back to the engine thread when done.
+
+Reading and validating an adapter (file I/O, safetensors parsing, NaN checks) never runs on
+the engine thread, so a slow disk cannot stall decoding. Results are collected by the store
+between steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+from loraserve.adapters.format import LoraAdapterWeights
+
+
+class HostLoader:
+    def __init__(self, read: Callable[[str], LoraAdapterWeights], workers: int = 2):
+        self._read = read
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lora-load")
+        self._pending: dict[int, Future] = {}  # uid -> future of (weights, seconds)
+        self.delay_s = 0.0  # injected latency, for tests and benchmarks of slow storage
+
+    def _timed_read(self, path: str) -> tuple[LoraAdapterWeights, float]:
+        t0 = time.perf_counter()
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        w = self._read(path)
+        return w, time.perf_counter() - t0
+
+    def start(self, uid: int, path: str) -> None:
+        if uid not in self._pending:
+            self._pending[uid] = self._pool.submit(self._timed_read, path)
+
+    def is_loading(self, uid: int) -> bool:
+        return uid in self._pending
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def cancel(self, uid: int) -> None:
+        fut = self._pending.pop(uid, None)
+        if fut is not None:
+            fut.cancel()
+
+    def collect(self) -> list[tuple[int, LoraAdapterWeights | None, float, str | None]]:
+        """Finished loads: (uid, weights or None, seconds, error message or None)."""
+        done = []
+        for uid, fut in list(self._pending.items()):
+            if not fut.done():
+                continue
+            del self._pending[uid]
+            try:
+                weights, secs = fut.result()
+                done.append((uid, weights, secs, None))
+            except Exception as e:  # the message goes to the waiting requests, verbatim
+                done.append((uid, None, 0.0, str(e) or type(e).__name__))
+        return done
+
+    def wait_any(self, timeout: float) -> None:
+        if self._pending:
+            wait(list(self._pending.values()), timeout=timeout, return_when="FIRST_COMPLETED")
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,21 @@
+"""Per-adapter counters, read by /metrics and /v1/models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class AdapterStats:
+    requests: int = 0
+    output_tokens: int = 0
+    loads: int = 1  # the registration itself is the first load
+    host_evictions: int = 0
+    slot_evictions: int = 0
+    last_load_seconds: float = 0.0
+    total_load_seconds: float = 0.0
+
+    def record_load(self, seconds: float) -> None:
+        self.loads += 1
+        self.last_load_seconds = seconds
+        self.total_load_seconds += seconds

@@ -1,0 +1,120 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2-without-bias, SmolLM) for a flat token batch.
+
+The step batch is flat: `T` tokens of many sequences, each with its position. q/k/v and
+gate/up are fused into one matmul each; LoRA deltas are added to those fused outputs by a
+hook that sees only slot indices, never adapter names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from loraserve.config import ModelConfig
+from loraserve.model.attention import AttentionMetadata, paged_attention
+from loraserve.model.layers import RotaryEmbedding, apply_rope, rms_norm
+
+
+class LoraHook(Protocol):
+    """Adds LoRA deltas in place: `y += delta(x)` for the module group of one layer."""
+
+    def __call__(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None: ...
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [d]
+    qkv: torch.Tensor  # [q + 2*kv, d]   fused q_proj, k_proj, v_proj
+    o: torch.Tensor  # [d, q]
+    post_norm: torch.Tensor  # [d]
+    gate_up: torch.Tensor  # [2*inter, d]  fused gate_proj, up_proj
+    down: torch.Tensor  # [d, inter]
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
+                 final_norm: torch.Tensor, lm_head: torch.Tensor):
+        self.config = config
+        self.embed = embed  # [V, d]
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head  # [V, d]; the same tensor as embed when tied
+        c = config
+        self.q_size = c.num_attention_heads * c.head_dim
+        self.kv_size = c.num_key_value_heads * c.head_dim
+        self.inter = c.intermediate_size
+        self.scale = c.head_dim**-0.5
+        self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta)
+
+    # --- HF names stay reachable: views into the fused weights -------------------------------
+    def hf_weight(self, name: str) -> torch.Tensor:
+        """`model.layers.3.self_attn.k_proj.weight` -> the matching view of a fused tensor."""
+        parts = name.split(".")
+        if name in ("model.embed_tokens.weight",):
+            return self.embed
+        if name == "lm_head.weight":
+            return self.lm_head
+        if name == "model.norm.weight":
+            return self.final_norm
+        layer = self.layers[int(parts[2])]
+        module = parts[4] if parts[3] in ("self_attn", "mlp") else parts[3]
+        q, kv, i = self.q_size, self.kv_size, self.inter
+        views = {
+            "q_proj": lambda: layer.qkv[:q],
+            "k_proj": lambda: layer.qkv[q : q + kv],
+            "v_proj": lambda: layer.qkv[q + kv :],
+            "o_proj": lambda: layer.o,
+            "gate_proj": lambda: layer.gate_up[:i],
+            "up_proj": lambda: layer.gate_up[i:],
+            "down_proj": lambda: layer.down,
+            "input_layernorm": lambda: layer.input_norm,
+            "post_attention_layernorm": lambda: layer.post_norm,
+        }
+        return views[module]()
+
+    # --- forward -------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer ([S, kvh, hd] x 2)
+        meta: AttentionMetadata,
+        logits_rows: torch.Tensor,  # [B] rows whose next-token logits are wanted
+        lora: LoraHook | None = None,
+    ) -> torch.Tensor:  # [B, V]
+        c = self.config
+        h = F.embedding(input_ids, self.embed)  # [T, d]
+        cos, sin = self.rope.tables(positions)
+        nh, kvh, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        q_size, kv_size, eps = self.q_size, self.kv_size, c.rms_norm_eps
+        for li, (w, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            x = rms_norm(h, w.input_norm, eps)
+            qkv = F.linear(x, w.qkv)  # [T, q + 2kv]
+            if lora is not None:
+                lora(li, "qkv", x, qkv)
+            q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+            q = apply_rope(q.view(-1, nh, hd), cos, sin)
+            k = apply_rope(k.view(-1, kvh, hd), cos, sin)
+            v = v.view(-1, kvh, hd)
+            k_cache.index_copy_(0, meta.slot_mapping, k)
+            v_cache.index_copy_(0, meta.slot_mapping, v)
+            a = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale).reshape(-1, q_size)
+            o = F.linear(a, w.o)  # [T, d]
+            if lora is not None:
+                lora(li, "o", a, o)
+            h = h + o
+            x = rms_norm(h, w.post_norm, eps)
+            gu = F.linear(x, w.gate_up)  # [T, 2*inter]
+            if lora is not None:
+                lora(li, "gate_up", x, gu)
+            gate, up = gu.split((self.inter, self.inter), dim=-1)
+            m = F.silu(gate) * up  # [T, inter]
+            d = F.linear(m, w.down)
+            if lora is not None:
+                lora(li, "down", m, d)
+            h = h + d
+        h = rms_norm(h[logits_rows], self.final_norm, eps)  # only rows that sample a token
+        return F.linear(h, self.lm_head)

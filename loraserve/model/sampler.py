@@ -1,0 +1,63 @@
+"""Per-request sampling for a batch of next-token logits: greedy, temperature, top-k, top-p, seed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loraserve.types import SamplingParams
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None  # chosen token's logprob per row (None if no row asked)
+    top_logprobs: list[dict[int, float] | None] | None
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    # logits: [V] already divided by temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p (always keeps the first).
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,  # [B, V] float32
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> SampleResult:
+    greedy = all(p.greedy for p in params)
+    if greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = torch.empty(len(params), dtype=torch.long)
+        for i, (p, g) in enumerate(zip(params, generators, strict=True)):
+            if p.greedy:
+                tokens[i] = logits[i].argmax()
+                continue
+            row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
+            probs = row.softmax(-1)
+            tokens[i] = torch.multinomial(probs, 1, generator=g)[0]
+    token_list = tokens.tolist()
+    if all(p.logprobs is None for p in params):
+        return SampleResult(token_list, None, None)
+    logp = logits.log_softmax(dim=-1)
+    chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    tops: list[dict[int, float] | None] = []
+    for i, p in enumerate(params):
+        if not p.logprobs:
+            tops.append(None)
+            continue
+        vals, idx = torch.topk(logp[i], p.logprobs)
+        tops.append(dict(zip(idx.tolist(), vals.tolist(), strict=True)))
+    return SampleResult(token_list, chosen, tops)

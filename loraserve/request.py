@@ -1,0 +1,66 @@
+"""One request's state as it moves through the engine."""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+
+from loraserve.types import FinishReason, SamplingParams
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        adapter_uid: int | None = None,
+        lora_name: str | None = None,
+    ):
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.adapter_uid = adapter_uid  # resolved once at admission; None = base model
+        self.lora_name = lora_name  # for outputs and logs only, never for lookups
+        self.output_token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[int, float]] = []
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V are in this request's blocks
+        self.block_table: list[int] = []
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.finish_reason: FinishReason | None = None
+        self.error: str | None = None
+        self.num_preemptions = 0
+        self.blocked_steps = 0  # steps spent waiting behind the adapter cap (starvation guard)
+        self.text = ""  # detokenized output (maintained by the engine)
+        self.text_offset = 0  # characters of `text` already handed to a stream
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id}, adapter={self.adapter_uid}, "
+                f"{self.status.value}, {self.num_computed_tokens}/{self.num_tokens})")
