@@ -43,7 +43,7 @@ class Request:
         self.num_preemptions = 0
         self.blocked_steps = 0  # steps spent waiting behind the adapter cap (starvation guard)
         self.text = ""  # detokenized output (maintained by the engine)
-        self.text_offset = 0  # characters of `text` already handed to a stream
+        self.holdback = 0  # trailing chars of `text` that may start a stop string: not streamed
 
     @property
     def all_token_ids(self) -> list[int]:

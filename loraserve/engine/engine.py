@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from pathlib import Path
 
 import torch
 
 from loraserve.config import EngineConfig
-from loraserve.engine.output import check_stop, find_stop_string, to_output
+from loraserve.engine.output import check_stop, to_output
 from loraserve.engine.runner import ModelRunner
 from loraserve.kvcache.manager import KVCacheManager
 from loraserve.model.bundled import resolve_model_path
 from loraserve.model.loader import load_model
-from loraserve.model.tokenizer import Tokenizer
+from loraserve.model.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 from loraserve.request import Request, RequestStatus
 from loraserve.scheduler.scheduler import Scheduler
 from loraserve.types import (
@@ -52,6 +53,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, gate=None)
         self.requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator] = {}
+        self._detok: dict[str, tuple[IncrementalDetokenizer, StopChecker]] = {}
         self._ids = itertools.count()
         self.num_steps = 0
 
@@ -114,6 +116,7 @@ class LLMEngine:
         req.error = error
         self.requests.pop(req.request_id, None)
         self._generators.pop(req.request_id, None)
+        self._detok.pop(req.request_id, None)
         self._release_adapter(req)
         return to_output(req)
 
@@ -133,6 +136,7 @@ class LLMEngine:
         if not batch:
             return outputs
         self.num_steps += 1
+        self._bind(batch.adapter_uids)
         sampled = self.runner.execute(batch.entries, self._slot_of, self._generators,
                                       self._lora_factory())
         for req, n in batch.entries:
@@ -144,6 +148,9 @@ class LLMEngine:
             else:
                 outputs.append(to_output(req))
         return outputs
+
+    def _bind(self, uids: set[int]) -> None:
+        pass  # no adapters in the base engine
 
     def _slot_of(self, req: Request) -> int:
         return -1
@@ -158,18 +165,28 @@ class LLMEngine:
             if top is not None:
                 req.top_logprobs.append(top)
         if req.first_token_time is None:
-            import time
-
             req.first_token_time = time.monotonic()
         check_stop(req, token, self.eos_ids, self.max_model_len)
-        ids = req.output_token_ids
-        if req.finish_reason is FinishReason.STOP and token in self.eos_ids | set(
-                req.params.stop_token_ids):
-            ids = ids[:-1]  # the stop token is in token_ids, not in the text
-        prev = len(req.text)
-        req.text = self.tokenizer.decode(ids)
-        if req.params.stop:
-            cut = find_stop_string(req.text, req.params.stop, prev)
-            if cut is not None:
-                req.text = req.text[:cut]
-                req.finish_reason = FinishReason.STOP
+        detok, stops = self._detok.get(req.request_id) or self._new_detok(req)
+        stop_token = req.finish_reason is FinishReason.STOP  # EOS or a stop id: not text
+        if not stop_token:
+            prev = len(req.text)
+            req.text += detok.add(token)
+            if req.finish_reason is not None:
+                req.text += detok.flush()
+            if stops:
+                cut = stops.find(req.text, len(req.text) - prev)
+                if cut is not None:
+                    req.text = req.text[:cut]
+                    req.finish_reason = FinishReason.STOP
+                else:
+                    req.holdback = stops.holdback(req.text)
+        if req.finish_reason is not None:
+            req.holdback = 0
+            self._detok.pop(req.request_id, None)
+
+    def _new_detok(self, req: Request):
+        pair = (IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
+                StopChecker(req.params.stop))
+        self._detok[req.request_id] = pair
+        return pair

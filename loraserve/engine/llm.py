@@ -29,11 +29,9 @@ class LLM:
 
     def load_lora_adapter(self, name: str, path: str | Path, pinned: bool = False) -> None:
         self.engine.load_lora_adapter(name, path, pinned=pinned)
-        self.engine.run_until_commands_applied()
 
     def unload_lora_adapter(self, name: str) -> None:
         self.engine.unload_lora_adapter(name)
-        self.engine.run_until_commands_applied()
 
     def generate(
         self,
@@ -42,7 +40,7 @@ class LLM:
         lora: str | None | Sequence[str | None] = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int | dict)):
             prompts = [prompts]
         n = len(prompts)
         params = sampling_params or SamplingParams()

@@ -15,16 +15,6 @@ def check_stop(req: Request, token: int, eos_ids: set[int], max_model_len: int) 
         req.finish_reason = FinishReason.LENGTH
 
 
-def find_stop_string(text: str, stops: tuple[str, ...], start: int) -> int | None:
-    """Earliest index >= about `start` where a stop string begins in `text`, else None."""
-    best = None
-    for s in stops:
-        i = text.find(s, max(0, start - len(s) + 1))
-        if i != -1 and (best is None or i < best):
-            best = i
-    return best
-
-
 def to_output(req: Request) -> RequestOutput:
     return RequestOutput(
         request_id=req.request_id,

@@ -1,0 +1,370 @@
+"""Reading PEFT LoRA adapters: the only module that knows PEFT's file names, keys and rules.
+
+Everything is validated before a `LoraAdapterWeights` is returned, so a caller never holds a
+half-read adapter. Target and pattern matching mirror peft 0.21
+(`check_target_module_exists`, `get_pattern_key`) on Llama-family module names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loraserve.config import ATTN_MODULES, LORA_MODULES, ModelConfig
+from loraserve.types import AdapterFormatError
+
+CONFIG_FILE = "adapter_config.json"
+SAFETENSORS_FILE = "adapter_model.safetensors"
+PICKLE_FILE = "adapter_model.bin"
+
+# Config switches that change the math or add weights beyond plain LoRA on our linears.
+_UNSUPPORTED_FLAGS = {
+    "use_dora": "DoRA (use_dora)", "lora_bias": "lora_bias", "use_qalora": "QALoRA",
+    "alora_invocation_tokens": "activated LoRA", "trainable_token_indices": "trainable tokens",
+    "layer_replication": "layer_replication", "target_parameters": "target_parameters",
+    "velora_config": "VeLoRA", "monteclora_config": "MonteCLoRA", "use_bdlora": "BD-LoRA",
+    "arrow_config": "Arrow routing", "kasa_config": "KaSA",
+}
+# '...q_proj.lora_A.weight' or, with an adapter name, '...q_proj.lora_A.default.weight'.
+_LORA_KEY_RE = re.compile(r"^(?P<mod>.+)\.(?P<kind>lora_A|lora_B)(?:\.[^.]+)?\.(?P<param>\w+)$")
+_LAYER_MOD_RE = re.compile(
+    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<name>\w+)$"
+)
+
+
+@dataclass(frozen=True)
+class LoraModuleWeights:
+    A: torch.Tensor  # [r, d_in] float32, contiguous
+    B: torch.Tensor  # [d_out, r] float32, contiguous, already multiplied by `scale`
+    rank: int
+    scale: float  # lora_alpha / r (or / sqrt(r) with rslora), after rank/alpha patterns
+
+
+@dataclass(frozen=True)
+class LoraAdapterWeights:
+    path: str
+    rank: int  # max rank over modules
+    target_modules: frozenset[str]  # subset of LORA_MODULES actually present
+    layers: tuple[dict[str, LoraModuleWeights], ...]  # one dict per layer; may lack modules
+    nbytes: int
+    fingerprint: str  # sha256 hex of the weights file bytes
+
+
+def _fail(path: object, problem: str) -> AdapterFormatError:
+    return AdapterFormatError(f"adapter {path}: {problem}")
+
+
+def _parent(module: str) -> str:
+    return "self_attn" if module in ATTN_MODULES else "mlp"
+
+
+def _full_name(layer: int, module: str) -> str:
+    return f"model.layers.{layer}.{_parent(module)}.{module}"
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return (_is_int(x) or isinstance(x, float)) and math.isfinite(x)
+
+
+def read_adapter_config(
+    path: str | os.PathLike, model_config: ModelConfig | None = None, *,
+    max_lora_rank: int | None = None,
+) -> dict:
+    """Parse and validate adapter_config.json; with `model_config`, also check that its targets
+    exist in the model (and, with `max_lora_rank`, that every targeted rank fits)."""
+    cfg = _read_config(path)
+    if model_config is not None:
+        _resolve_targets(cfg, model_config, path, max_lora_rank)
+    return cfg
+
+
+def _read_config(path: str | os.PathLike) -> dict:
+    p = Path(path)
+    if not p.exists():
+        raise _fail(path, "path does not exist")
+    if not p.is_dir():
+        raise _fail(path, "path is not a directory (expected a PEFT adapter directory)")
+    cfg_file = p / CONFIG_FILE
+    if not cfg_file.is_file():
+        raise _fail(path, f"missing {CONFIG_FILE}")
+    try:
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _fail(path, f"invalid JSON in {CONFIG_FILE}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise _fail(path, f"{CONFIG_FILE} must hold a JSON object")
+    _validate_config(cfg, path)
+    return cfg
+
+
+def _validate_config(cfg: dict, path: object) -> None:
+    peft_type = cfg.get("peft_type")
+    if str(peft_type).upper() != "LORA":
+        raise _fail(path, f"peft_type is {peft_type!r}; only LORA adapters are supported")
+    r = cfg.get("r", 8)  # PEFT's defaults when a key is absent
+    if not _is_int(r) or r <= 0:
+        raise _fail(path, f"r must be a positive integer, got {r!r}")
+    alpha = cfg.get("lora_alpha", 8)
+    if not _is_number(alpha):
+        raise _fail(path, f"lora_alpha must be a finite number, got {alpha!r}")
+    if not isinstance(cfg.get("use_rslora", False), bool):
+        raise _fail(path, f"use_rslora must be true or false, got {cfg['use_rslora']!r}")
+    for key, what in _UNSUPPORTED_FLAGS.items():
+        if cfg.get(key):
+            raise _fail(path, f"{what} is not supported yet")
+    if cfg.get("modules_to_save"):
+        raise _fail(path, f"modules_to_save {cfg['modules_to_save']!r} is not supported yet")
+    if cfg.get("bias", "none") != "none":
+        raise _fail(path, f"bias={cfg['bias']!r} is not supported yet (only 'none')")
+    tm = cfg.get("target_modules")
+    _check_patterns(tm, "target_modules", path, list_ok=bool(tm))
+    _check_patterns(cfg.get("exclude_modules"), "exclude_modules", path, none_ok=True)
+    _check_patterns(cfg.get("layers_pattern"), "layers_pattern", path, none_ok=True)
+    for name, what in (("rank_pattern", "a positive integer"), ("alpha_pattern", "a number")):
+        pat = cfg.get(name) or {}
+        if not isinstance(pat, dict):
+            raise _fail(path, f"{name} must be an object, got {pat!r}")
+        for k, v in pat.items():
+            _check_patterns(k, name, path)
+            ok = _is_int(v) and v > 0 if name == "rank_pattern" else _is_number(v)
+            if not ok:
+                raise _fail(path, f"{name}[{k!r}] must be {what}, got {v!r}")
+    ltt = cfg.get("layers_to_transform")
+    if isinstance(tm, str) and (ltt is not None or cfg.get("layers_pattern") is not None):
+        raise _fail(path, "layers_to_transform/layers_pattern cannot be used with a regex "
+                          "target_modules (PEFT refuses this too)")
+    ltt_list = [ltt] if _is_int(ltt) else ltt
+    if ltt is not None and not (isinstance(ltt_list, list) and all(map(_is_int, ltt_list))):
+        raise _fail(path, f"layers_to_transform must be an int or a list of ints, got {ltt!r}")
+
+
+def _check_patterns(value, field: str, path: object, list_ok=True, none_ok=False) -> None:
+    """A regex string, or (if list_ok) a list of strings; every one must compile."""
+    if value is None and none_ok:
+        return
+    items = value if list_ok and isinstance(value, list) else [value]
+    if not all(isinstance(v, str) for v in items) or (not items and not none_ok):
+        raise _fail(path, f"{field} must be a regex string or a list of strings, got {value!r}")
+    for v in items:
+        try:
+            re.compile(v)
+        except re.error as e:
+            raise _fail(path, f"{field} has an invalid regex {v!r}: {e}") from None
+
+
+def _model_module_names(mc: ModelConfig) -> list[str]:
+    """Every module name of a Llama-family *ForCausalLM, as PEFT's matching sees them."""
+    names = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb",
+             "lm_head"]
+    for i in range(mc.num_hidden_layers):
+        pre = f"model.layers.{i}"
+        names += [pre, f"{pre}.self_attn", f"{pre}.mlp", f"{pre}.mlp.act_fn"]
+        names += [f"{pre}.input_layernorm", f"{pre}.post_attention_layernorm"]
+        names += [_full_name(i, m) for m in LORA_MODULES]
+    return names
+
+
+def _suffix_match(targets, key: str) -> bool:
+    return key in targets or any(key.endswith(f".{t}") for t in targets)
+
+
+def _is_targeted(cfg: dict, key: str) -> bool:
+    """peft.tuners.tuners_utils.check_target_module_exists for a LoRA config."""
+    ex = cfg.get("exclude_modules")
+    if ex and (re.fullmatch(ex, key) if isinstance(ex, str) else _suffix_match(ex, key)):
+        return False
+    tm = cfg["target_modules"]
+    if isinstance(tm, str):
+        return re.fullmatch(tm, key) is not None  # layers_to_transform is ignored for a regex
+    if key in tm:
+        return True
+    if not any(key.endswith(f".{t}") for t in tm):
+        return False
+    layers = cfg.get("layers_to_transform")
+    if layers is None or layers == []:
+        return True
+    lp = cfg.get("layers_pattern")
+    if not lp:
+        m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+    else:
+        for pat in [lp] if isinstance(lp, str) else lp:
+            m = re.match(rf"(?:^|.*?\.){pat}\.(?P<idx>\d+)\.", key)
+            if m:
+                break
+    if not m:
+        return False
+    idx = int(m.group("idx"))
+    return idx == layers if _is_int(layers) else idx in layers
+
+
+def _pattern_value(patterns: dict, key: str, default):
+    """peft.utils.other.get_pattern_key: the first pattern matching a dotted suffix of key."""
+    for pat in patterns:
+        if re.match(rf"(.*\.)?({pat})$", key):
+            return patterns[pat]
+    return default
+
+
+def _resolve_targets(
+    cfg: dict, mc: ModelConfig, path: object, max_lora_rank: int | None
+) -> dict[tuple[int, str], tuple[int, float]]:
+    """(layer, module) -> (rank, scale) for every module the config targets."""
+    names = _model_module_names(mc)
+    lora_names = {_full_name(i, m) for i in range(mc.num_hidden_layers) for m in LORA_MODULES}
+    tm = cfg["target_modules"]
+    if tm == "all-linear":  # PEFT's shorthand: every linear but the output layer
+        cfg = {**cfg, "target_modules": list(LORA_MODULES)}
+    elif isinstance(tm, str):
+        bad = [n for n in names if n not in lora_names and _is_targeted(cfg, n)]
+        if bad:
+            raise _fail(path, f"target_modules regex matches unsupported module {bad[0]!r} "
+                              f"(LoRA is supported on {', '.join(LORA_MODULES)})")
+    else:
+        for t in tm:
+            hits = [n for n in names if _suffix_match([t], n)]
+            if not hits or any(n not in lora_names for n in hits):
+                raise _fail(path, f"target module {t!r} is not a LoRA-targetable module of this "
+                                  f"model (supported: {', '.join(LORA_MODULES)})")
+    ltt = cfg.get("layers_to_transform")
+    for i in [ltt] if _is_int(ltt) else ltt or []:
+        if not 0 <= i < mc.num_hidden_layers:
+            raise _fail(path, f"layers_to_transform has layer {i}, out of range for a "
+                              f"{mc.num_hidden_layers}-layer model")
+    plan = {}
+    for i in range(mc.num_hidden_layers):
+        for m in LORA_MODULES:
+            key = _full_name(i, m)
+            if not _is_targeted(cfg, key):
+                continue
+            r = _pattern_value(cfg.get("rank_pattern") or {}, key, cfg.get("r", 8))
+            alpha = _pattern_value(cfg.get("alpha_pattern") or {}, key, cfg.get("lora_alpha", 8))
+            if max_lora_rank is not None and r > max_lora_rank:
+                raise _fail(path, f"rank {r} of {key} exceeds max_lora_rank={max_lora_rank}")
+            sqrt = cfg.get("use_rslora", False)
+            plan[(i, m)] = (r, alpha / (math.sqrt(r) if sqrt else r))
+    if not plan:
+        raise _fail(path, "adapter_config targets no module of this model")
+    return plan
+
+
+def _load_tensors(p: Path, path: object, allow_pickle: bool) -> tuple[dict, str]:
+    """The weights file's tensors and the sha256 of its bytes (read once, so both agree)."""
+    st, pkl = p / SAFETENSORS_FILE, p / PICKLE_FILE
+    if st.is_file():
+        data = st.read_bytes()
+        try:
+            from safetensors.torch import load
+
+            tensors = load(data)
+        except Exception as e:  # the parser raises several types on corrupt input
+            raise _fail(path, f"corrupt or truncated {SAFETENSORS_FILE}: {e}") from None
+    elif pkl.is_file():
+        if not allow_pickle:
+            raise _fail(path, f"only a pickle {PICKLE_FILE} found; pickle files can run code, "
+                              f"convert it to {SAFETENSORS_FILE} or allow pickle adapters")
+        data = pkl.read_bytes()
+        try:
+            tensors = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise _fail(path, f"cannot read {PICKLE_FILE}: {e}") from None
+        if not isinstance(tensors, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()
+        ):
+            raise _fail(path, f"{PICKLE_FILE} is not a flat dict of tensors")
+    else:
+        raise _fail(path, f"missing weights: neither {SAFETENSORS_FILE} nor {PICKLE_FILE}")
+    return tensors, hashlib.sha256(data).hexdigest()
+
+
+def _parse_key(key: str, path: object) -> tuple[int, str, str]:
+    """(layer, module, 'lora_A'|'lora_B') for a LoRA weight key; refuse what we cannot serve."""
+    if "lora_embedding_" in key:
+        raise _fail(path, f"embedding LoRA tensor {key!r} is not supported yet")
+    if "magnitude_vector" in key:
+        raise _fail(path, f"DoRA magnitude tensor {key!r} is not supported yet")
+    m = _LORA_KEY_RE.match(key)
+    if m is None:
+        raise _fail(path, f"unexpected tensor {key!r} (only LoRA A/B weights are supported)")
+    if m["param"] != "weight":
+        raise _fail(path, f"LoRA {m['param']} tensor {key!r} is not supported yet")
+    mod = m["mod"].removeprefix("base_model.model.")
+    lm = _LAYER_MOD_RE.match(m["mod"])
+    if lm is None or lm["name"] not in LORA_MODULES or lm["parent"] != _parent(lm["name"]):
+        raise _fail(path, f"tensor {key!r} targets module {mod!r}, which is not supported "
+                          f"(supported: {', '.join(LORA_MODULES)})")
+    return int(lm["layer"]), lm["name"], m["kind"]
+
+
+def read_adapter(
+    path: str | os.PathLike, model_config: ModelConfig, *, max_lora_rank: int,
+    allow_pickle: bool = False,
+) -> LoraAdapterWeights:
+    """Read and fully validate a PEFT LoRA adapter directory into float32 host tensors."""
+    plan = _resolve_targets(_read_config(path), model_config, path, max_lora_rank)
+    tensors, fingerprint = _load_tensors(Path(path), path, allow_pickle)
+    n_layers = model_config.num_hidden_layers
+    pairs: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
+    for key, t in tensors.items():
+        layer, module, kind = _parse_key(key, path)
+        if layer >= n_layers:
+            raise _fail(path, f"tensor {key!r} is for layer {layer}, out of range for a "
+                              f"{n_layers}-layer model")
+        slot = pairs.setdefault((layer, module), {})
+        if kind in slot:
+            raise _fail(path, f"duplicate tensors {slot[kind][0]!r} and {key!r}")
+        slot[kind] = (key, t)
+    if not pairs:
+        raise _fail(path, "the weights file holds no LoRA tensors")
+
+    layers: list[dict[str, LoraModuleWeights]] = [{} for _ in range(n_layers)]
+    for (layer, module), slot in sorted(pairs.items()):
+        name = _full_name(layer, module)
+        if len(slot) != 2:
+            raise _fail(path, f"{name} has only a {next(iter(slot))} tensor")
+        if (layer, module) not in plan:
+            raise _fail(path, f"tensors for {name} but adapter_config does not target it")
+        shape = model_config.module_shape(module)
+        layers[layer][module] = _module_weights(path, name, slot, shape, *plan[(layer, module)])
+    mods = [w for d in layers for w in d.values()]
+    return LoraAdapterWeights(
+        path=str(path), rank=max(w.rank for w in mods),
+        target_modules=frozenset(m for d in layers for m in d), layers=tuple(layers),
+        nbytes=sum(w.A.nbytes + w.B.nbytes for w in mods), fingerprint=fingerprint,
+    )
+
+
+def _module_weights(path, name, slot, shape, want_rank: int, scale: float) -> LoraModuleWeights:
+    """Check one module's A/B pair against the base shape and the config; scale B."""
+    (ka, a), (kb, b) = slot["lora_A"], slot["lora_B"]
+    d_out, d_in = shape
+    for k, t in ((ka, a), (kb, b)):
+        if not t.is_floating_point():
+            raise _fail(path, f"tensor {k!r} has non-float dtype {t.dtype}")
+    if a.dim() != 2 or a.shape[1] != d_in:
+        raise _fail(path, f"tensor {ka!r} has shape {list(a.shape)}, expected [r, {d_in}]")
+    if b.dim() != 2 or b.shape[0] != d_out:
+        raise _fail(path, f"tensor {kb!r} has shape {list(b.shape)}, expected [{d_out}, r]")
+    rank = a.shape[0]
+    if b.shape[1] != rank:
+        raise _fail(path, f"A/B rank mismatch for {name}: lora_A has rank {rank}, "
+                          f"lora_B has rank {b.shape[1]}")
+    if rank != want_rank:
+        raise _fail(path, f"{name} has rank {rank} in its tensors but rank {want_rank} "
+                          f"in adapter_config (r / rank_pattern)")
+    a32, b32 = a.to(torch.float32).contiguous(), b.to(torch.float32)
+    for k, t in ((ka, a32), (kb, b32)):
+        if not torch.isfinite(t).all():
+            raise _fail(path, f"tensor {k!r} contains NaN or inf")
+    return LoraModuleWeights(A=a32, B=(b32 * scale).contiguous(), rank=rank, scale=float(scale))

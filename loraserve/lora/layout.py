@@ -1,0 +1,54 @@
+"""How LoRA modules map onto the model's fused projections.
+
+The model runs q/k/v as one matmul and gate/up as one, so LoRA is applied per *group*: the
+modules of a group share their input (d_in) and their outputs are concatenated in the order
+given here. Each adapter's modules are packed side by side along the rank axis, so one
+shrink matmul `x @ A[:r].T` serves the whole group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loraserve.config import ModelConfig
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+GROUP_NAMES: tuple[str, ...] = tuple(GROUPS)
+MODULE_TO_GROUP: dict[str, str] = {m: g for g, mods in GROUPS.items() for m in mods}
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Shapes of one module group for a given model."""
+
+    name: str
+    modules: tuple[str, ...]
+    d_in: int
+    d_outs: tuple[int, ...]  # per module, in `modules` order
+    col_offsets: tuple[int, ...]  # where each module's output starts in the fused output
+
+    @property
+    def d_out(self) -> int:
+        return sum(self.d_outs)
+
+    def rank_capacity(self, max_lora_rank: int) -> int:
+        """R_g: rank columns a slot reserves for this group."""
+        return len(self.modules) * max_lora_rank
+
+
+def group_layouts(cfg: ModelConfig) -> dict[str, GroupLayout]:
+    out = {}
+    for name, mods in GROUPS.items():
+        shapes = [cfg.module_shape(m) for m in mods]
+        d_ins = {d_in for _, d_in in shapes}
+        if len(d_ins) != 1:  # cannot happen for the Llama family; guards a future model
+            raise ValueError(f"modules of group {name} have different inputs: {d_ins}")
+        d_outs = tuple(d_out for d_out, _ in shapes)
+        offsets = tuple(sum(d_outs[:k]) for k in range(len(d_outs)))
+        out[name] = GroupLayout(name, mods, d_ins.pop(), d_outs, offsets)
+    return out

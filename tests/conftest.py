@@ -1,0 +1,42 @@
+"""Shared pytest fixtures. Models are built once per session; tests must not modify them.
+
+tests/ has no __init__.py, so pytest puts it on sys.path and helpers such as
+`model_factory` import directly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from model_factory import make_tiny_llama
+
+# ---- base models -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Random 2-layer Llama, untied embeddings, GQA (4 query / 2 kv heads), vocab 512."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Like tiny_model_dir but with tied input/output embeddings (no lm_head.weight saved)."""
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("tiny_llama_tied"), tie_word_embeddings=True, seed=1
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_sharded_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Same weights as tiny_model_dir, saved as several safetensors shards plus an index."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama_sharded"), sharded=True)
+
+
+@pytest.fixture(scope="session")
+def bundled_model_dir() -> Path:
+    """The bundled SmolLM2-135M-Instruct checkpoint (converted once into the user cache)."""
+    from loraserve.model.bundled import default_model_dir
+
+    return default_model_dir()

@@ -1,0 +1,390 @@
+"""PEFT adapter reading: round trips against real peft, pattern semantics, and every refusal."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from adapter_factory import (
+    build_peft_model,
+    edit_config,
+    edit_tensors,
+    load_base_model,
+    lora_key,
+    make_peft_adapter,
+    peft_deltas,
+    to_pickle,
+    truncate_weights,
+)
+
+from loraserve.adapters.format import read_adapter, read_adapter_config
+from loraserve.config import LORA_MODULES, ModelConfig
+from loraserve.types import AdapterFormatError
+
+ALL = list(LORA_MODULES)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def mc(base_dir):
+    return ModelConfig.from_dir(base_dir)
+
+
+@pytest.fixture(scope="module")
+def good_dir(base_dir, tmp_path_factory):
+    return make_peft_adapter(base_dir, tmp_path_factory.mktemp("good"), target_modules=ALL)
+
+
+@pytest.fixture
+def bad(good_dir, tmp_path):
+    """A private copy of a valid all-modules adapter (r=8) for a test to break."""
+    return shutil.copytree(good_dir, tmp_path / "adapter")
+
+
+def read(path, mc, **kw):
+    kw.setdefault("max_lora_rank", 64)
+    return read_adapter(path, mc, **kw)
+
+
+def assert_matches_peft(adapter, peft_model, mc):
+    deltas = peft_deltas(peft_model)
+    seen = set()
+    for i, layer in enumerate(adapter.layers):
+        for module, w in layer.items():
+            name = f"model.layers.{i}.{'self_attn' if module in ALL[:4] else 'mlp'}.{module}"
+            delta, r, scaling = deltas[name]
+            assert w.A.dtype == w.B.dtype == torch.float32
+            assert w.A.is_contiguous() and w.B.is_contiguous()
+            assert (w.rank, w.A.shape, w.B.shape) == (r, (r, mc.module_shape(module)[1]),
+                                                     (mc.module_shape(module)[0], r))
+            assert w.scale == pytest.approx(scaling, rel=1e-12)
+            torch.testing.assert_close(w.B @ w.A, delta, rtol=1e-5, atol=1e-6)
+            seen.add(name)
+    assert seen == set(deltas)  # every module PEFT adapted, and nothing more
+
+
+# --- round trips --------------------------------------------------------------------------
+
+
+def test_roundtrip_all_modules(base_dir, mc, tmp_path):
+    pm = build_peft_model(base_dir, r=8, lora_alpha=16, target_modules=ALL, seed=3)
+    pm.save_pretrained(tmp_path)
+    ad = read(tmp_path, mc)
+    assert_matches_peft(ad, pm, mc)
+    assert (ad.rank, ad.target_modules, len(ad.layers)) == (8, frozenset(ALL), 2)
+    assert all(w.scale == 2.0 for layer in ad.layers for w in layer.values())
+    raw = (tmp_path / "adapter_model.safetensors").read_bytes()
+    assert ad.fingerprint == hashlib.sha256(raw).hexdigest()
+    assert ad.nbytes == sum(w.A.nbytes + w.B.nbytes for la in ad.layers for w in la.values())
+    assert ad.path == str(tmp_path)
+
+
+def test_factory_adapter_changes_greedy_output(base_dir):
+    pm = build_peft_model(base_dir)  # defaults: q_proj, v_proj, r=8
+    base = load_base_model(base_dir)
+    ids = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        lb, la = base(ids).logits, pm(input_ids=ids).logits
+    assert torch.isfinite(la).all() and la.abs().max() < 10 * lb.abs().max()
+    assert (lb.argmax(-1) != la.argmax(-1)).float().mean() > 0.2
+
+
+def test_rslora_scale(base_dir, mc, tmp_path):
+    pm = build_peft_model(base_dir, r=16, lora_alpha=8, use_rslora=True)
+    pm.save_pretrained(tmp_path)
+    ad = read(tmp_path, mc)
+    assert_matches_peft(ad, pm, mc)
+    assert ad.layers[0]["q_proj"].scale == pytest.approx(8 / math.sqrt(16))
+
+
+def test_rank_and_alpha_patterns_match_peft(base_dir, mc, tmp_path):
+    rank_pattern = {"q_proj": 4, r"layers\.1\.mlp\..*_proj": 2, "model.layers.0.mlp.down_proj": 16}
+    alpha_pattern = {"v_proj": 32, "self_attn.o_proj": 3.5, "layers.1.self_attn.q_proj": 1}
+    pm = build_peft_model(base_dir, r=8, lora_alpha=16, target_modules=ALL,
+                          rank_pattern=rank_pattern, alpha_pattern=alpha_pattern)
+    pm.save_pretrained(tmp_path)
+    ad = read(tmp_path, mc)
+    assert_matches_peft(ad, pm, mc)
+    layers = pm.base_model.model.model.layers
+    for i in range(2):
+        for module in ALL:
+            peft_mod = getattr(layers[i].self_attn if module in ALL[:4] else layers[i].mlp, module)
+            ours = ad.layers[i][module]
+            assert ours.rank == peft_mod.r["default"]
+            assert ours.scale == pytest.approx(peft_mod.scaling["default"])
+    # spot-check the intended semantics, not only agreement with peft
+    assert [ad.layers[i]["q_proj"].rank for i in range(2)] == [4, 4]
+    assert ad.layers[1]["q_proj"].scale == pytest.approx(1 / 4)
+    assert ad.layers[1]["up_proj"].rank == 2 and ad.layers[0]["up_proj"].rank == 8
+    assert ad.layers[0]["down_proj"].rank == 16 and ad.rank == 16
+    assert ad.layers[0]["o_proj"].scale == pytest.approx(3.5 / 8)
+
+
+def test_regex_target_modules(base_dir, mc, tmp_path):
+    regex = r"model\.layers\.1\.(self_attn\.(q|k)_proj|mlp\.up_proj)"
+    pm = build_peft_model(base_dir, target_modules=regex)
+    pm.save_pretrained(tmp_path)
+    ad = read(tmp_path, mc)
+    assert_matches_peft(ad, pm, mc)
+    assert ad.layers[0] == {} and set(ad.layers[1]) == {"q_proj", "k_proj", "up_proj"}
+    assert read_adapter_config(tmp_path)["target_modules"] == regex
+
+
+def test_layers_to_transform(base_dir, mc, tmp_path):
+    pm = build_peft_model(base_dir, target_modules=["q_proj", "down_proj"], layers_to_transform=[1])
+    pm.save_pretrained(tmp_path)
+    ad = read(tmp_path, mc)
+    assert_matches_peft(ad, pm, mc)
+    assert ad.layers[0] == {} and set(ad.layers[1]) == {"q_proj", "down_proj"}
+    assert ad.target_modules == frozenset({"q_proj", "down_proj"})
+
+
+def test_exclude_modules_and_layers_pattern(base_dir, mc, tmp_path):
+    pm = build_peft_model(base_dir, target_modules=ALL, exclude_modules=["layers.0.mlp.up_proj",
+                          "k_proj"], layers_to_transform=0, layers_pattern="layers")
+    pm.save_pretrained(tmp_path)
+    ad = read(tmp_path, mc)
+    assert_matches_peft(ad, pm, mc)
+    assert ad.layers[1] == {} and set(ad.layers[0]) == set(ALL) - {"up_proj", "k_proj"}
+
+
+def test_half_precision_file_is_read_as_float32(bad, mc):
+    ref = read(bad, mc)
+    edit_tensors(bad, lambda t: {k: v.to(torch.bfloat16) for k, v in t.items()})
+    ad = read(bad, mc)
+    w, r = ad.layers[1]["up_proj"], ref.layers[1]["up_proj"]
+    assert w.A.dtype == torch.float32
+    torch.testing.assert_close(w.B @ w.A, r.B @ r.A, rtol=0.05, atol=1e-3)
+    assert ad.fingerprint != ref.fingerprint
+
+
+def test_keys_with_adapter_name(bad, mc):
+    ref = read(bad, mc)
+    edit_tensors(bad, lambda t: {k.replace(".weight", ".default.weight"): v for k, v in t.items()})
+    ad = read(bad, mc)
+    assert torch.equal(ad.layers[0]["k_proj"].B, ref.layers[0]["k_proj"].B)
+
+
+def test_pickle_only_when_allowed(bad, mc):
+    ref = read(bad, mc)
+    to_pickle(bad)
+    with pytest.raises(AdapterFormatError, match="pickle"):
+        read(bad, mc)
+    ad = read(bad, mc, allow_pickle=True)
+    assert torch.equal(ad.layers[1]["v_proj"].A, ref.layers[1]["v_proj"].A)
+
+
+def test_pickle_with_code_is_refused_even_when_allowed(bad, mc):
+    import pickle
+
+    (bad / "adapter_model.safetensors").unlink()
+    (bad / "adapter_model.bin").write_bytes(pickle.dumps({"x": shutil.copytree}))
+    refuse(bad, mc, "cannot read adapter_model.bin", allow_pickle=True)
+
+
+def test_all_linear_shorthand(bad, mc):
+    edit_config(bad, target_modules="all-linear")
+    assert read(bad, mc).target_modules == frozenset(ALL)
+
+
+def test_read_adapter_config_is_cheap_and_validates(bad, mc):
+    cfg = read_adapter_config(bad)
+    assert cfg["r"] == 8 and cfg["peft_type"] == "LORA"
+    with pytest.raises(AdapterFormatError, match="max_lora_rank=4"):
+        read_adapter_config(bad, mc, max_lora_rank=4)
+
+
+# --- refusals -----------------------------------------------------------------------------
+
+
+def refuse(path, mc, *patterns, **kw):
+    with pytest.raises(AdapterFormatError) as ei:
+        read(path, mc, **kw)
+    msg = str(ei.value)
+    assert str(path) in msg, msg
+    for p in patterns:
+        assert p in msg, msg
+    return msg
+
+
+def test_refuse_missing_path_and_file(tmp_path, mc):
+    refuse(tmp_path / "nope", mc, "does not exist")
+    (tmp_path / "f").write_text("x")
+    refuse(tmp_path / "f", mc, "not a directory")
+
+
+def test_refuse_missing_config(bad, mc):
+    (bad / "adapter_config.json").unlink()
+    refuse(bad, mc, "missing adapter_config.json")
+
+
+def test_refuse_missing_weights(bad, mc):
+    (bad / "adapter_model.safetensors").unlink()
+    refuse(bad, mc, "missing weights")
+
+
+def test_refuse_invalid_json(bad, mc):
+    (bad / "adapter_config.json").write_text('{"r": 8,')
+    refuse(bad, mc, "invalid JSON")
+
+
+@pytest.mark.parametrize("peft_type", ["PREFIX_TUNING", "IA3", ...])
+def test_refuse_non_lora(bad, mc, peft_type):
+    edit_config(bad, peft_type=peft_type)
+    refuse(bad, mc, "peft_type", "only LORA")
+
+
+def test_refuse_rank_above_max(bad, mc):
+    refuse(bad, mc, "rank 8", "max_lora_rank=4", max_lora_rank=4)
+
+
+@pytest.mark.parametrize("r", [0, -8, 8.5, 8.0, "8", None, True])
+def test_refuse_bad_r(bad, mc, r):
+    edit_config(bad, r=r)
+    refuse(bad, mc, "r must be a positive integer")
+
+
+@pytest.mark.parametrize("alpha", ["16", None, [16], float("nan"), float("inf")])
+def test_refuse_bad_alpha(bad, mc, alpha):
+    edit_config(bad, lora_alpha=alpha)
+    refuse(bad, mc, "lora_alpha must be a finite number")
+
+
+@pytest.mark.parametrize("target", ["lm_head", "embed_tokens", "mlp.fc1", "self_attn"])
+def test_refuse_unknown_target_module(bad, mc, target):
+    edit_config(bad, target_modules=["q_proj", target])
+    refuse(bad, mc, f"target module {target!r}")
+
+
+def test_refuse_regex_matching_unsupported_module(bad, mc):
+    edit_config(bad, target_modules=r".*(q_proj|lm_head)")
+    refuse(bad, mc, "'lm_head'")
+
+
+def test_refuse_regex_matching_nothing(bad, mc):
+    edit_config(bad, target_modules=r".*\.fc1")
+    refuse(bad, mc, "targets no module")
+
+
+def test_refuse_shape_mismatch(bad, mc):
+    key = lora_key(0, "q_proj", "lora_A")
+    edit_tensors(bad, lambda t: t.update({key: torch.ones(8, 32)}))
+    refuse(bad, mc, key, "[8, 32]", "expected [r, 64]")
+    key = lora_key(1, "down_proj", "lora_B")
+    edit_tensors(bad, lambda t: t.update({lora_key(0, "q_proj"): torch.ones(8, 64),
+                                          key: torch.ones(128, 8)}))
+    refuse(bad, mc, key, "[128, 8]", "expected [64, r]")
+
+
+def test_refuse_ab_rank_mismatch(bad, mc):
+    edit_tensors(bad, lambda t: t.update({lora_key(0, "v_proj", "lora_B"): torch.ones(32, 4)}))
+    refuse(bad, mc, "A/B rank mismatch", "model.layers.0.self_attn.v_proj")
+
+
+def test_refuse_config_rank_disagrees_with_tensors(bad, mc):
+    edit_config(bad, r=4)
+    refuse(bad, mc, "rank 8 in its tensors but rank 4 in adapter_config")
+
+
+def test_refuse_layer_out_of_range(bad, mc):
+    edit_tensors(bad, lambda t: {k.replace("layers.1.", "layers.7."): v for k, v in t.items()})
+    refuse(bad, mc, "layer 7", "out of range")
+    edit_config(bad, layers_to_transform=[0, 9])
+    refuse(bad, mc, "layers_to_transform", "layer 9")
+
+
+def test_refuse_dora(base_dir, mc, tmp_path):
+    make_peft_adapter(base_dir, tmp_path, use_dora=True)
+    refuse(tmp_path, mc, "DoRA", "not supported yet")
+
+
+def test_refuse_modules_to_save(base_dir, mc, tmp_path):
+    make_peft_adapter(base_dir, tmp_path, modules_to_save=["lm_head"])
+    refuse(tmp_path, mc, "modules_to_save", "not supported yet")
+
+
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_refuse_bias(bad, mc, bias):
+    edit_config(bad, bias=bias)
+    refuse(bad, mc, f"bias={bias!r}", "not supported yet")
+
+
+def test_refuse_lora_bias_tensor(bad, mc):
+    key = lora_key(0, "q_proj", "lora_B").replace(".weight", ".bias")
+    edit_tensors(bad, lambda t: t.update({key: torch.zeros(64)}))
+    refuse(bad, mc, key, "not supported yet")
+
+
+def test_refuse_lora_embedding_keys(bad, mc):
+    key = "base_model.model.model.embed_tokens.lora_embedding_A"
+    edit_tensors(bad, lambda t: t.update({key: torch.zeros(8, 128)}))
+    refuse(bad, mc, key, "not supported yet")
+
+
+def test_refuse_magnitude_vector_keys(bad, mc):
+    key = lora_key(0, "q_proj", "lora_A").replace("lora_A.weight", "lora_magnitude_vector")
+    edit_tensors(bad, lambda t: t.update({key: torch.ones(64)}))
+    refuse(bad, mc, key, "not supported yet")
+
+
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), -float("inf")])
+def test_refuse_non_finite(bad, mc, bad_value):
+    key = lora_key(1, "down_proj", "lora_B")  # the last module read: nothing partial escapes
+
+    def poison(t):
+        t[key][3, 1] = bad_value
+
+    edit_tensors(bad, poison)
+    refuse(bad, mc, key, "NaN or inf")
+
+
+def test_refuse_truncated_or_garbage_weights(bad, mc):
+    truncate_weights(bad, 0.6)
+    refuse(bad, mc, "corrupt or truncated")
+    (bad / "adapter_model.safetensors").write_bytes(b"\x00" * 7 + b"not a safetensors file")
+    refuse(bad, mc, "corrupt or truncated")
+
+
+def test_refuse_no_lora_tensors(bad, mc):
+    edit_tensors(bad, lambda t: {})
+    refuse(bad, mc, "no LoRA tensors")
+
+
+def test_refuse_unexpected_and_untargeted_tensors(bad, mc):
+    edit_tensors(bad, lambda t: t.update({"base_model.model.lm_head.weight": torch.ones(128, 64)}))
+    refuse(bad, mc, "unexpected tensor", "lm_head.weight")
+    edit_tensors(bad, lambda t: t.pop("base_model.model.lm_head.weight"))
+    edit_config(bad, target_modules=["q_proj", "v_proj"])
+    refuse(bad, mc, "adapter_config does not target it", "model.layers.0.")
+
+
+def test_refuse_lm_head_lora_tensor(bad, mc):
+    edit_tensors(bad, lambda t: t.update({
+        "base_model.model.lm_head.lora_A.weight": torch.ones(8, 64),
+        "base_model.model.lm_head.lora_B.weight": torch.ones(128, 8)}))
+    refuse(bad, mc, "module 'lm_head'", "not supported")
+
+
+def test_refuse_unsupported_variant_flags(bad, mc):
+    edit_config(bad, use_qalora=True)
+    refuse(bad, mc, "QALoRA", "not supported yet")
+
+
+def test_config_file_is_json_object(bad, mc):
+    (bad / "adapter_config.json").write_text(json.dumps([1, 2]))
+    refuse(bad, mc, "JSON object")
