@@ -100,7 +100,7 @@ class EngineConfig:
     max_lora_rank: int = 64
     max_loras_prefetch: int = 0  # spare slots filled ahead of time from the waiting queue
     allow_pickle_adapters: bool = False
-    kv_cache_tokens: int = 65536  # KV pool size in tokens
+    kv_cache_tokens: int = 32768  # KV pool size in tokens
     block_size: int = 16
     max_num_seqs: int = 128  # sequences in one step
     max_num_batched_tokens: int = 2048  # tokens in one step (prefill chunks + decodes)

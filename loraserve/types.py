@@ -63,6 +63,7 @@ class RequestOutput:
     lora_name: str | None = None
     logprobs: list[float] | None = None  # chosen-token logprob per output token, if asked
     top_logprobs: list[dict[int, float]] | None = None
+    holdback: int = 0  # trailing chars of `text` that may begin a stop string: not streamed yet
 
     @property
     def num_prompt_tokens(self) -> int:

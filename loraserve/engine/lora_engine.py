@@ -93,7 +93,7 @@ class LoraEngine(LLMEngine):
 
 
 def _make_hook(pool: LoraSlotPool, segments: list[tuple[int, int]]):
-    batch = LoraBatch.from_sequences(segments, pool)
+    batch = LoraBatch.build(segments, pool)
     if batch.is_empty:
         return None  # base-only step: LoRA costs nothing
 

@@ -27,4 +27,5 @@ def to_output(req: Request) -> RequestOutput:
         lora_name=req.lora_name,
         logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
         top_logprobs=list(req.top_logprobs) if req.params.logprobs else None,
+        holdback=req.holdback,
     )

@@ -86,7 +86,7 @@ class ModelRunner:
         with torch.inference_mode():
             logits = self.model.forward(
                 torch.tensor(ids), torch.tensor(pos), self.kv_caches, meta,
-                torch.tensor(logits_rows), lora,
+                torch.tensor(logits_rows, dtype=torch.long), lora,
             )
             if not samplers:
                 return []

@@ -1,0 +1,53 @@
+"""Shared helpers of the benchmark scripts: machine ceilings, prompts, timing, reporting."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent.parent / "docs" / "bench-results"
+
+
+def gemm_gflops(n: int = 2048, reps: int = 5) -> float:
+    """fp32 GEMM rate measured now, on these cores (the compute floor's denominator)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def mem_read_gbs(mb: int = 512, reps: int = 5) -> float:
+    """Memory read bandwidth measured now (sum over a buffer larger than the caches)."""
+    x = torch.ones(mb * 1024 * 1024 // 4)
+    x.sum()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    # Ids above the special-token range; ignore_eos keeps every output at full length.
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 1, (n, length), generator=g).tolist()
+
+
+def write_result(name: str, data: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2))
+    return path
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)

@@ -1,0 +1,1 @@
+"""Demo adapters and the `make serve` entry point."""

@@ -1,0 +1,105 @@
+"""Per-step LoRA metadata: which contiguous token ranges use which adapter slot.
+
+Built once per step and reused by every layer and group, so the per-call work in
+lora/ops.py is a loop over precomputed index tuples. The runner orders sequences so the
+tokens of one adapter are contiguous; adjacent runs of the same slot are merged here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from loraserve.lora.layout import GROUP_NAMES, GroupLayout, Part
+
+# One expand part as indices: (t_idx, y_idx, b_idx); t_idx/y_idx None = the whole tensor.
+PartIndex = tuple[tuple | None, tuple | None, tuple]
+# One segment of one group: (token slice, index of A[s, :r], expand parts).
+SegmentPlan = tuple[slice, tuple, tuple[PartIndex, ...]]
+
+
+class SlotRanks(Protocol):
+    """What the batch needs from the slot pool (adapters/slot_pool.LoraSlotPool)."""
+
+    layouts: dict[str, GroupLayout]
+
+    def rank(self, slot: int, group: str) -> int: ...
+
+    def parts(self, slot: int, group: str) -> tuple[Part, ...]: ...
+
+
+@dataclass(frozen=True)
+class LoraBatch:
+    num_tokens: int
+    # (slot, start, end) for every LoRA segment, in token order; base tokens are not listed
+    segments: tuple[tuple[int, int, int], ...]
+    # packed rank per slot present in the batch and group (0: slot does not touch the group)
+    ranks: dict[int, dict[str, int]] = field(default_factory=dict)
+    # per group: the segments with a nonzero rank there, as ready-made index tuples
+    plans: dict[str, tuple[SegmentPlan, ...]] = field(default_factory=dict)
+
+    @property
+    def is_empty(self) -> bool:
+        """No token uses an adapter: every LoRA op returns at once."""
+        return not self.segments
+
+    @classmethod
+    def empty(cls, num_tokens: int) -> LoraBatch:
+        return cls(num_tokens, ())
+
+    @classmethod
+    def build(cls, seq_slots: Sequence[tuple[int | None, int]], pool: SlotRanks) -> LoraBatch:
+        """seq_slots: (slot or None/-1 for the base model, num_tokens) per sequence, in batch
+        order. Ranks and expand parts are read from `pool` now, so rewriting a slot while
+        this batch is alive is a caller bug (the store never does it mid-step)."""
+        runs: list[list[int]] = []  # [slot, start, end]; slot -1 = base
+        pos = 0
+        for slot, n in seq_slots:
+            if n < 0:
+                raise ValueError(f"negative token count {n}")
+            s = -1 if slot is None or slot < 0 else slot
+            if n and runs and runs[-1][0] == s and runs[-1][2] == pos:
+                runs[-1][2] += n
+            elif n:
+                runs.append([s, pos, pos + n])
+            pos += n
+        segments = tuple((s, a, b) for s, a, b in runs if s >= 0)
+        if not segments:
+            return cls.empty(pos)
+        slots = sorted({s for s, _, _ in segments})
+        ranks = {s: {g: pool.rank(s, g) for g in GROUP_NAMES} for s in slots}
+        plans = {}
+        for g in GROUP_NAMES:
+            d_out = pool.layouts[g].d_out
+            parts = {
+                s: _part_indices(s, ranks[s][g], d_out, pool.parts(s, g))
+                for s in slots
+                if ranks[s][g]
+            }
+            plan = tuple(
+                (slice(a, b), (s, slice(0, ranks[s][g])), parts[s])
+                for s, a, b in segments
+                if ranks[s][g]
+            )
+            if plan:
+                plans[g] = plan
+        return cls(pos, segments, ranks, plans)
+
+    def token_slots(self) -> list[int]:
+        """Slot per token (-1 = base); for references and debugging, not the hot path."""
+        out = [-1] * self.num_tokens
+        for s, a, b in self.segments:
+            out[a:b] = [s] * (b - a)
+        return out
+
+
+def _part_indices(slot: int, r: int, d_out: int, parts: tuple[Part, ...]) -> tuple[PartIndex, ...]:
+    out = []
+    for o0, o1, c0, c1 in parts:
+        all_rows, all_cols = (o0, o1) == (0, r), (c0, c1) == (0, d_out)
+        t_idx = None if all_rows else (slice(None), slice(o0, o1))
+        y_idx = None if all_cols else (slice(None), slice(c0, c1))
+        b_idx = (slot, slice(o0, o1)) if all_cols else (slot, slice(o0, o1), slice(c0, c1))
+        out.append((t_idx, y_idx, b_idx))
+    return tuple(out)

@@ -1,0 +1,87 @@
+"""Runtime adapter load/unload and the model list.
+
+Access (admin key or the loopback-only flag) is checked by AuthMiddleware before the body is
+read. Here: the name must match ADAPTER_NAME_RE, and with `--lora-root` the path must resolve
+(realpath: symlinks followed) inside that directory. The adapter is read and validated off the
+engine thread; only the commit runs between steps, so a bad adapter changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from loraserve.engine.async_engine import engine_snapshot
+from loraserve.server import protocol as P
+from loraserve.server.context import ServerContext, parse_body
+from loraserve.server.errors import ApiError
+from loraserve.types import ADAPTER_NAME_RE
+
+log = logging.getLogger("loraserve.server")
+
+
+def check_name(name: str) -> None:
+    if not ADAPTER_NAME_RE.match(name):
+        raise ApiError(400, f"invalid adapter name {name!r}: use 1-64 of [A-Za-z0-9._-] "
+                            "(':' is reserved for 'base:adapter', '/' is not allowed)",
+                       "invalid_adapter_name")
+
+
+def resolve_path(path: str, root: str | None) -> str:
+    """The real path to load from; with a root, it must stay inside it (no '..', no symlink
+    escape: containment is checked on the fully resolved path)."""
+    if not path or "\x00" in path:
+        raise ApiError(400, "lora_path is empty or invalid", "invalid_adapter_path")
+    if root is None:
+        return os.path.realpath(path)
+    if ".." in path.replace("\\", "/").split("/"):
+        raise ApiError(403, "lora_path may not contain '..' when --lora-root is set",
+                       "path_not_allowed")
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(os.path.join(real_root, path))  # an absolute path stays as is
+    if os.path.commonpath([real, real_root]) != real_root:
+        raise ApiError(403, f"lora_path {path!r} resolves outside the allowed directory "
+                            "(--lora-root); symlinks are followed", "path_not_allowed")
+    return real
+
+
+async def load(ctx: ServerContext, request: Request) -> JSONResponse:
+    body = await parse_body(request, P.LoadLoraRequest)
+    check_name(body.lora_name)
+    path = resolve_path(body.lora_path, ctx.settings.lora_root)
+    t0 = time.perf_counter()
+    await ctx.aengine.load_lora_adapter(body.lora_name, path, pinned=body.pinned)
+    ctx.metrics.observe_load(body.lora_name, time.perf_counter() - t0)
+    log.info("adapter %s registered via the API from %s (pinned=%s)", body.lora_name, path,
+             body.pinned)
+    return await _listing(ctx, f"adapter {body.lora_name!r} loaded")
+
+
+async def unload(ctx: ServerContext, request: Request) -> JSONResponse:
+    body = await parse_body(request, P.UnloadLoraRequest)
+    await ctx.aengine.unload_lora_adapter(body.lora_name)  # unknown name: 404
+    return await _listing(ctx, f"adapter {body.lora_name!r} unloaded")
+
+
+async def _listing(ctx: ServerContext, message: str) -> JSONResponse:
+    snap = await ctx.aengine.call(engine_snapshot)
+    cards = [c for c in model_cards(ctx, snap) if c["parent"] is not None]
+    return JSONResponse({"success": True, "message": message,
+                         "loaded_adapters": {c["id"]: c["root"] for c in cards},
+                         "object": "list", "data": cards})
+
+
+def model_cards(ctx: ServerContext, snap: dict) -> list[dict]:
+    base = ctx.model_name
+    cards = [P.model_card(base, root=str(getattr(ctx.engine, "model_path", base)), parent=None,
+                          tier="device", pinned=True)]
+    for a in snap["adapters"]:
+        if a["registered"]:
+            cards.append(P.model_card(a["name"], root=a["path"], parent=base, tier=a["tier"],
+                                      pinned=a["pinned"], rank=a["rank"],
+                                      in_flight=a["refcount"]))
+    return cards

@@ -1,0 +1,95 @@
+"""The FastAPI app: OpenAI-compatible routes over an AsyncEngine.
+
+Middleware order (outermost first): API keys, then the body size limit — so neither an
+unauthenticated nor an oversized request gets its body read.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from loraserve.engine.async_engine import AsyncEngine, engine_snapshot
+from loraserve.server import adapter_routes, serving
+from loraserve.server.auth import AuthMiddleware
+from loraserve.server.context import ServerContext
+from loraserve.server.errors import install_error_handlers
+from loraserve.server.limits import BodyLimitMiddleware
+from loraserve.server.settings import ServerSettings
+
+
+def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    ctx = ServerContext(async_engine, settings)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.shutdown()
+
+    app = FastAPI(title="loraserve", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    # add_middleware prepends: the last added is the outermost.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(AuthMiddleware, settings=settings)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_running:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serving.completions(ctx, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serving.chat_completions(ctx, request)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        snap = await async_engine.call(engine_snapshot)
+        return JSONResponse({"object": "list", "data": adapter_routes.model_cards(ctx, snap)})
+
+    for prefix in ("/v1", ""):
+        app.add_api_route(f"{prefix}/load_lora_adapter", _bind(adapter_routes.load, ctx),
+                          methods=["POST"])
+        app.add_api_route(f"{prefix}/unload_lora_adapter", _bind(adapter_routes.unload, ctx),
+                          methods=["POST"])
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        snap = await async_engine.call(engine_snapshot)
+        return Response(ctx.metrics.render(snap),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/debug/state")
+    async def debug_state() -> Response:
+        snap = await async_engine.call(engine_snapshot)
+        return JSONResponse({
+            "kv_blocks_used": snap["kv_blocks_used"],
+            "kv_blocks_free": snap["kv_blocks_total"] - snap["kv_blocks_used"],
+            "kv_blocks_total": snap["kv_blocks_total"],
+            "running": snap["running"], "waiting": snap["waiting"],
+            "engine_errors": async_engine.errors,
+            "adapters": [{k: a[k] for k in ("name", "uid", "tier", "pinned", "refcount",
+                                            "registered")} for a in snap["adapters"]],
+        })
+
+    return app
+
+
+def _bind(handler, ctx: ServerContext):
+    async def route(request: Request) -> Response:
+        return await handler(ctx, request)
+
+    route.__name__ = handler.__name__
+    return route

@@ -1,0 +1,73 @@
+"""API keys, checked before a request body is read.
+
+- `--api-key`: every route but /health needs `Authorization: Bearer KEY` (the admin key works
+  too). Keys are compared with `hmac.compare_digest` (constant time, CVE-2025-59425).
+- Adapter load/unload routes are off (403) unless `--admin-api-key` (then they need THAT key)
+  or `--allow-runtime-lora-updates` (loopback hosts only; checked in ServerSettings).
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from loraserve.server.errors import error_bytes
+from loraserve.server.settings import ServerSettings
+
+OPEN_PATHS = frozenset({"/health"})
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+                         "/load_lora_adapter", "/unload_lora_adapter"})
+
+
+def bearer_token(scope: Scope) -> str | None:
+    for k, v in scope.get("headers", ()):
+        if k == b"authorization":
+            scheme, _, token = v.decode("latin-1").partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else None
+    return None
+
+
+def key_matches(token: str | None, key: str | None) -> bool:
+    if not key or token is None:
+        return False
+    return hmac.compare_digest(token.encode(), key.encode())
+
+
+def check_access(path: str, token: str | None, s: ServerSettings) -> tuple[int, str] | None:
+    """None if allowed, else (status, message)."""
+    if path in OPEN_PATHS:
+        return None
+    if path in ADMIN_PATHS:
+        if not s.runtime_lora_updates:
+            return 403, ("runtime LoRA adapter loading is disabled: start the server with "
+                         "--admin-api-key KEY (then send that key) or, on a loopback host, "
+                         "--allow-runtime-lora-updates")
+        if s.admin_api_key:
+            if key_matches(token, s.admin_api_key):
+                return None
+            return 401, "this route needs the admin API key (Authorization: Bearer ADMIN_KEY)"
+    if s.api_key and not (key_matches(token, s.api_key) or key_matches(token, s.admin_api_key)):
+        return 401, "invalid or missing API key (send Authorization: Bearer KEY)"
+    return None
+
+
+class AuthMiddleware:
+    def __init__(self, app: ASGIApp, settings: ServerSettings):
+        self.app = app
+        self.settings = settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        denied = check_access(scope["path"].rstrip("/") or "/", bearer_token(scope),
+                              self.settings)
+        if denied is None:
+            return await self.app(scope, receive, send)
+        status, message = denied
+        code = "invalid_api_key" if status == 401 else "forbidden"
+        headers = [(b"content-type", b"application/json")]
+        if status == 401:
+            headers.append((b"www-authenticate", b"Bearer"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": error_bytes(status, message, code)})

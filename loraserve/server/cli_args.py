@@ -1,0 +1,82 @@
+"""`loraserve serve`: server flags, then build the engine, load --lora-paths and run uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+H11_MAX_EVENT_BYTES = 64 * 1024  # request line + headers: a huge header is refused by h11
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health")
+    g.add_argument("--admin-api-key", default=None,
+                   help="enable runtime adapter load/unload, for requests bearing THIS key")
+    g.add_argument("--allow-runtime-lora-updates", action="store_true",
+                   help="enable runtime adapter load/unload without a key (loopback host only)")
+    g.add_argument("--lora-root", default=None, metavar="DIR",
+                   help="runtime loads must resolve (symlinks followed) inside DIR")
+    g.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    g.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="default: the model's context length")
+    g.add_argument("--max-tokens-limit", type=int, default=4096,
+                   help="largest max_tokens a request may ask for")
+    g.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
+    g.add_argument("--served-model-name", action="append", default=None,
+                   help="another name clients may use for the base model (repeatable)")
+    g.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"])
+
+
+def settings_from_args(args: argparse.Namespace):
+    from loraserve.server.settings import ServerSettings
+
+    names = tuple(args.served_model_name or ()) + ((args.model,) if args.model else ())
+    return ServerSettings(
+        host=args.host, api_key=args.api_key, admin_api_key=args.admin_api_key,
+        allow_runtime_lora_updates=args.allow_runtime_lora_updates, lora_root=args.lora_root,
+        max_request_bytes=args.max_request_bytes, max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens_limit=args.max_tokens_limit, max_n=args.max_n, served_model_names=names)
+
+
+def configure_logging(level: str) -> None:
+    # loraserve.* loggers (adapter loaded/evicted/reloaded) go to stderr next to uvicorn's.
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level)
+    log = logging.getLogger("loraserve.server")
+    try:
+        settings = settings_from_args(args)  # refuses unsafe flag combinations
+    except ValueError as e:
+        raise SystemExit(f"loraserve serve: {e}") from e
+
+    import uvicorn
+
+    from loraserve.cli import _lora_paths, engine_kwargs
+    from loraserve.config import EngineConfig
+    from loraserve.engine.async_engine import AsyncEngine
+    from loraserve.engine.lora_engine import LoraEngine
+    from loraserve.server.app import create_app
+    from loraserve.types import LoraServeError
+
+    engine = LoraEngine(args.model, EngineConfig(**engine_kwargs(args)))
+    for name, path in _lora_paths(args.lora_paths).items():
+        try:
+            engine.load_lora_adapter(name, path)
+        except LoraServeError as e:  # a bad adapter at startup stops the server, clearly
+            raise SystemExit(f"loraserve serve: --lora-paths {name}={path}: {e}") from e
+    log.info("model %s from %s; %d adapters; runtime adapter updates %s", engine.model_name,
+             engine.model_path, len(engine.list_adapters()),
+             "on" if settings.runtime_lora_updates else "off")
+    app = create_app(AsyncEngine(engine), settings)
+    uvicorn.run(app, host=args.host, port=args.port, http="h11", log_level=args.log_level,
+                h11_max_incomplete_event_size=H11_MAX_EVENT_BYTES, timeout_graceful_shutdown=5)
+    return 0

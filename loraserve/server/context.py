@@ -1,0 +1,81 @@
+"""What every route handler needs: the async engine, the settings, metrics, model names."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from loraserve.engine.async_engine import AsyncEngine
+from loraserve.server.errors import ApiError, validation_message
+from loraserve.server.metrics import ServerMetrics
+from loraserve.server.settings import ServerSettings
+from loraserve.types import ADAPTER_NAME_RE
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass
+class ServerContext:
+    aengine: AsyncEngine
+    settings: ServerSettings
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+
+    def __post_init__(self) -> None:
+        e = self.engine
+        self.model_name: str = e.model_name
+        path = getattr(e, "model_path", None)
+        names = {self.model_name, *self.settings.served_model_names}
+        if path is not None:
+            names |= {str(path), path.name}
+        self.base_names = frozenset(n for n in names if n)
+
+    @property
+    def engine(self):
+        return self.aengine.engine
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def resolve_model(self, model: str | None) -> str | None:
+        """`model` -> adapter name, or None for the base model. Unknown names: 404."""
+        if model is None or model in self.base_names:
+            return None
+        name = model
+        base, sep, adapter = model.partition(":")
+        if sep:
+            if base not in self.base_names:
+                raise self.model_not_found(model)
+            name = adapter
+        if not ADAPTER_NAME_RE.match(name):
+            raise self.model_not_found(model)
+        return name
+
+    def model_not_found(self, model: str) -> ApiError:
+        return ApiError(404, f"The model {model!r} does not exist: use the base model "
+                             f"{self.model_name!r}, a loaded adapter's name or "
+                             f"'{self.model_name}:ADAPTER' (GET /v1/models lists them)",
+                        "model_not_found")
+
+    async def run_blocking(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """The JSON body validated into `model`; malformed or invalid input is a 400."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", "invalid_json") from e
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object", "invalid_request")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ApiError(400, validation_message(e), "invalid_request") from e

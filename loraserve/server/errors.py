@@ -1,0 +1,74 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "code"}}` with the right status.
+
+Anything the client did wrong is a 4xx with a message that says what to fix; a 5xx is a bug
+(its traceback goes to the log, not to the client).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from loraserve.types import LoraServeError
+
+log = logging.getLogger("loraserve.server")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
+          413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+def error_body(status: int, message: str, code: str | None = None) -> dict:
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code), status_code=status)
+
+
+def error_bytes(status: int, message: str, code: str | None = None) -> bytes:
+    return json.dumps(error_body(status, message, code)).encode()
+
+
+def validation_message(err: ValidationError | RequestValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+    return "invalid request: " + "; ".join(parts[:5])
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api(_: Request, e: ApiError):
+        return error_response(e.status, e.message, e.code)
+
+    @app.exception_handler(LoraServeError)
+    async def _engine(_: Request, e: LoraServeError):
+        return error_response(e.status, str(e), e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError):
+        return error_response(400, validation_message(e), "invalid_request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail), None)
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, e: Exception):
+        log.exception("unhandled error")
+        return error_response(500, f"internal server error ({type(e).__name__})", "internal")

@@ -1,0 +1,167 @@
+"""OpenAI-compatible request and response schemas (plus vLLM/SGLang extras).
+
+Unknown fields are ignored, as the OpenAI clients send some we do not use. Fields we accept but
+cannot honour (penalties, logit_bias) are rejected when set, rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# str | list[str] | list[int] | list[list[int]]
+PromptField = str | list[str] | list[int] | list[list[int]]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        # Clients send `"temperature": null` etc. for "unset": use the default instead.
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    user: str | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    # vLLM / SGLang extras
+    top_k: int = -1
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > 16 or any(not s for s in stops):
+            raise ValueError("stop: at most 16 non-empty strings")
+        return self
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: PromptField
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _checks(self):
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of not in (None, 1, self.n):
+            raise ValueError("best_of is not supported")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            return [[]]  # the empty prompt is rejected later, with a clear message
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+class ChatMessage(_Request):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def message_dicts(self) -> list[dict]:
+        return [m.model_dump(exclude_none=True) for m in self.messages]
+
+
+class LoadLoraRequest(_Request):
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+class UnloadLoraRequest(_Request):
+    lora_name: str
+
+
+# --- responses (plain dicts in OpenAI shape; builders keep the field names in one place) -----
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_response(rid: str, model: str, choices: list[dict], use: dict | None,
+                        chunk: bool = False, chat: bool = False) -> dict:
+    if chat:
+        obj = "chat.completion.chunk" if chunk else "chat.completion"
+    else:
+        obj = "text_completion"
+    out = {"id": rid, "object": obj, "created": int(time.time()), "model": model,
+           "choices": choices}
+    if use is not None or not chunk:
+        out["usage"] = use
+    return out
+
+
+def model_card(model_id: str, *, root: str, parent: str | None, tier: str, pinned: bool,
+               **extra) -> dict:
+    return {"id": model_id, "object": "model", "created": int(time.time()),
+            "owned_by": "loraserve", "root": root, "parent": parent, "tier": tier,
+            "pinned": pinned, **extra}

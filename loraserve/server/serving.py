@@ -1,0 +1,225 @@
+"""/v1/completions and /v1/chat/completions: validate, fan out, stream or collect.
+
+Every sequence a request fans out to (prompts x n) is admitted all-or-nothing before any
+response starts, so admission errors are a 4xx and never half an SSE stream. Whatever way a
+handler ends (done, client gone, error), every stream is aborted in `finally`: the engine gives
+back KV blocks and adapter refcounts at once (aborting a finished request is a no-op).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from loraserve.engine.async_engine import RequestStream
+from loraserve.server import protocol as P
+from loraserve.server.context import ServerContext, parse_body
+from loraserve.server.errors import ApiError, error_body
+from loraserve.server.formatting import DeltaTracker, LogprobFormatter, full_choice, is_error, sse
+from loraserve.server.metrics import RequestTimer
+from loraserve.types import AdapterNotFoundError, SamplingParams
+
+
+async def completions(ctx: ServerContext, request: Request) -> Response:
+    req = await parse_body(request, P.CompletionRequest)
+    lora = ctx.resolve_model(req.model)
+    prompts = req.prompts()
+    if len(prompts) > ctx.settings.max_prompts:
+        raise ApiError(400, f"{len(prompts)} prompts in one request; the limit is "
+                            f"{ctx.settings.max_prompts}", "too_many_prompts")
+    _check_n(ctx, req.n)
+    ids = [await _tokenize(ctx, p) for p in prompts]
+    params = _params(ctx, req, req.max_tokens or 16, max(map(len, ids)), req.logprobs)
+    return await _serve(ctx, request, req, ids, params, lora, chat=False)
+
+
+async def chat_completions(ctx: ServerContext, request: Request) -> Response:
+    req = await parse_body(request, P.ChatCompletionRequest)
+    lora = ctx.resolve_model(req.model)
+    _check_n(ctx, req.n)
+    ids = await _tokenize(ctx, req.message_dicts())
+    max_tokens = req.max_new_tokens
+    if max_tokens is None:  # the room left in the context, within the server's cap
+        e = ctx.engine
+        room = min(e.max_model_len, e.kv.capacity_tokens) - len(ids)
+        max_tokens = max(1, min(ctx.settings.max_tokens_limit, room))
+    params = _params(ctx, req, max_tokens, len(ids), req.num_logprobs)
+    return await _serve(ctx, request, req, [ids], params, lora, chat=True)
+
+
+# --- validation -------------------------------------------------------------------------------
+
+
+def _check_n(ctx: ServerContext, n: int) -> None:
+    if n > ctx.settings.max_n:
+        raise ApiError(400, f"n={n} is over this server's limit of {ctx.settings.max_n} "
+                            "(--max-n)", "n_too_large")
+
+
+async def _tokenize(ctx: ServerContext, prompt) -> list[int]:
+    if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+        ids = list(prompt)  # token ids: the engine checks their range
+    else:
+        fn = ctx.tokenizer.encode if isinstance(prompt, str) else \
+            ctx.tokenizer.apply_chat_template
+        try:
+            ids = await ctx.run_blocking(fn, prompt)
+        except ValueError as e:  # e.g. the chat template rejected the messages
+            raise ApiError(400, str(e), "invalid_prompt") from e
+    if not ids:
+        raise ApiError(400, "the prompt is empty", "empty_prompt")
+    limit = ctx.settings.max_prompt_tokens
+    if limit is not None and len(ids) > limit:
+        raise ApiError(400, f"the prompt has {len(ids)} tokens; this server's limit is {limit} "
+                            "(--max-prompt-tokens)", "prompt_too_long")
+    return ids
+
+
+def _params(ctx: ServerContext, req, max_tokens: int, prompt_len: int,
+            logprobs: int | None) -> SamplingParams:
+    limit = ctx.settings.max_tokens_limit
+    if max_tokens > limit:
+        raise ApiError(400, f"max_tokens={max_tokens} is over this server's limit of {limit} "
+                            "(--max-tokens-limit)", "max_tokens_too_large")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+            top_k=req.top_k, seed=req.seed, stop=req.stops,
+            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+            logprobs=logprobs)
+    except ValueError as e:
+        raise ApiError(400, str(e), "invalid_sampling_params") from e
+
+
+# --- admission, then stream or collect --------------------------------------------------------
+
+
+async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: SamplingParams,
+                  lora: str | None) -> list[RequestStream]:
+    """Admit prompts x n sequences, all or none. Choice index = prompt * n + j."""
+    base_id = P.new_id("cmpl")
+    jobs = []
+    for i, prompt in enumerate(ids):
+        for j in range(req.n):
+            # Distinct seeds per choice: n identical samples would be useless.
+            sp = params if params.seed is None else replace(params, seed=params.seed + j)
+            jobs.append(ctx.aengine.add_request(prompt, sp, lora, f"{base_id}-{i}-{j}"))
+    results = await asyncio.gather(*jobs, return_exceptions=True)
+    streams = [r for r in results if isinstance(r, RequestStream)]
+    errors = [r for r in results if not isinstance(r, RequestStream)]
+    if errors:
+        for s in streams:
+            s.abort()
+        if isinstance(errors[0], AdapterNotFoundError):
+            raise ctx.model_not_found(req.model) from errors[0]
+        raise errors[0]
+    return streams
+
+
+async def _serve(ctx: ServerContext, request: Request, req, ids, params, lora, chat: bool):
+    streams = await _submit(ctx, req, ids, params, lora)
+    rid = P.new_id("chatcmpl" if chat else "cmpl")
+    model = req.model or ctx.model_name
+    prompt_tokens = sum(map(len, ids))
+    timers = [RequestTimer(ctx.metrics, lora) for _ in streams]
+    lp = LogprobFormatter(ctx.tokenizer)
+    if req.stream:
+        gen = _stream(streams, timers, lp, rid, model, chat, req.include_usage, prompt_tokens)
+        return StreamingResponse(gen, media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
+    outs = await _collect(ctx, request, streams, timers)
+    if outs is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    for out in outs:
+        if is_error(out):
+            return JSONResponse(error_body(500, out.error or "request failed", "engine_error"),
+                                status_code=500)
+    choices = [full_choice(i, out, lp, chat) for i, out in enumerate(outs)]
+    completion = sum(len(o.token_ids) for o in outs)
+    return JSONResponse(P.completion_response(rid, model, choices,
+                                              P.usage(prompt_tokens, completion), chat=chat))
+
+
+async def _collect(ctx: ServerContext, request: Request, streams, timers):
+    """Last output of every stream, or None if the client went away first. Starlette cancels
+    only streaming responses on disconnect, so poll for it here."""
+
+    async def last(stream: RequestStream, timer: RequestTimer):
+        out = None
+        async for out in stream:
+            timer.on_output(out)
+        return out
+
+    task = asyncio.ensure_future(asyncio.gather(*map(last, streams, timers)))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=ctx.settings.disconnect_poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+            task.add_done_callback(_retrieve)  # no "exception was never retrieved" noise
+        for s in streams:
+            s.abort()
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+async def _merge(streams: list[RequestStream]):
+    """(index, output) from all streams as they arrive."""
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                i = pending.pop(fut)
+                try:
+                    out = fut.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, out
+                if not out.finished:
+                    pending[asyncio.ensure_future(anext(streams[i]))] = i
+    finally:
+        for fut in pending:
+            fut.cancel()
+
+
+async def _stream(streams, timers, lp, rid, model, chat, include_usage, prompt_tokens):
+    trackers = [DeltaTracker(i, lp, chat) for i in range(len(streams))]
+    completion = 0
+
+    def chunk(choices, use=None):
+        return sse(P.completion_response(rid, model, choices, use, chunk=True, chat=chat))
+
+    try:
+        if chat:  # the role comes first, once per choice, as OpenAI sends it
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None}
+                         for i in range(len(streams))])
+        async for i, out in _merge(streams):
+            timers[i].on_output(out)
+            if is_error(out):
+                yield sse(error_body(500, out.error or "request failed", "engine_error"))
+                break
+            choice = trackers[i].delta(out)
+            if choice is not None:
+                yield chunk([choice])
+            if out.finished:
+                completion += len(out.token_ids)
+        else:
+            if include_usage:
+                yield chunk([], P.usage(prompt_tokens, completion))
+        yield sse("[DONE]")
+    finally:  # client gone (cancelled) or done: free every sequence's blocks now
+        for s in streams:
+            s.abort()

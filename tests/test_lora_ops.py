@@ -1,0 +1,238 @@
+"""The segmented LoRA op against the per-token reference, and the slot pool's invariants."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from loraserve.adapters.slot_pool import LoraSlotPool
+from loraserve.config import LORA_MODULES, ModelConfig
+from loraserve.lora.batch import LoraBatch
+from loraserve.lora.layout import GROUPS, MODULE_TO_GROUP, group_layouts
+from loraserve.lora.ops import apply_lora, lora_reference
+
+try:
+    from loraserve.adapters.format import LoraAdapterWeights, LoraModuleWeights
+except ImportError:  # written concurrently elsewhere; same fields
+
+    @dataclass(frozen=True)
+    class LoraModuleWeights:  # type: ignore[no-redef]
+        A: torch.Tensor
+        B: torch.Tensor
+        rank: int
+        scale: float
+
+    @dataclass(frozen=True)
+    class LoraAdapterWeights:  # type: ignore[no-redef]
+        path: str
+        rank: int
+        target_modules: frozenset[str]
+        layers: tuple[dict[str, LoraModuleWeights], ...]
+        nbytes: int
+        fingerprint: str
+
+
+CFG = ModelConfig(
+    vocab_size=32,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
+MAX_RANK = 64
+ATOL = 1e-5
+
+
+def make_adapter(seed: int, rank: int, modules, layer_ranks=None, alpha: float = 16.0):
+    """Random adapter; layer_ranks[l] overrides the rank in layer l (0 = module absent)."""
+    g = torch.Generator().manual_seed(seed)
+    layers = []
+    for layer in range(CFG.num_hidden_layers):
+        r = rank if layer_ranks is None else layer_ranks[layer]
+        mods = {}
+        for m in modules if r else ():
+            d_out, d_in = CFG.module_shape(m)
+            scale = alpha / r
+            A = torch.randn(r, d_in, generator=g) / d_in**0.5
+            B = torch.randn(d_out, r, generator=g) * scale
+            mods[m] = LoraModuleWeights(A=A, B=B, rank=r, scale=scale)
+        layers.append(mods)
+    nbytes = sum(w.A.nbytes + w.B.nbytes for d in layers for w in d.values())
+    return LoraAdapterWeights(
+        f"mem://{seed}", rank, frozenset(modules), tuple(layers), nbytes, f"fp{seed}"
+    )
+
+
+ADAPTERS = [
+    make_adapter(1, 4, LORA_MODULES),
+    make_adapter(2, MAX_RANK, LORA_MODULES),  # a rank at the maximum
+    make_adapter(3, 8, ("q_proj",)),
+    make_adapter(4, 16, ("q_proj", "v_proj")),
+    make_adapter(5, 33, ("k_proj", "o_proj", "up_proj")),
+    make_adapter(6, 12, ("gate_proj", "down_proj")),
+    make_adapter(7, 8, ("q_proj", "down_proj"), layer_ranks=[8, 24]),  # ranks differ by layer
+    make_adapter(8, 8, ("up_proj", "v_proj"), layer_ranks=[0, 16]),  # layer 0 untouched
+]
+
+
+def full_pool(expand: str = "auto") -> LoraSlotPool:
+    pool = LoraSlotPool(CFG, len(ADAPTERS), MAX_RANK, expand=expand)
+    for s, w in enumerate(ADAPTERS):
+        pool.write(s, w)
+    return pool
+
+
+def check_all_groups(pool: LoraSlotPool, seqs, slot_weights, seed: int = 0) -> None:
+    """apply_lora == lora_reference for every layer and group of a batch of sequences."""
+    batch = LoraBatch.build(seqs, pool)
+    token_slots = batch.token_slots()
+    g = torch.Generator().manual_seed(seed)
+    for layer in range(CFG.num_hidden_layers):
+        mods = [None if s < 0 else slot_weights[s].layers[layer] for s in token_slots]
+        for name, lay in pool.layouts.items():
+            x = torch.randn(batch.num_tokens, lay.d_in, generator=g)  # x: [T, d_in]
+            y = torch.randn(batch.num_tokens, lay.d_out, generator=g)  # y: [T, d_out_g]
+            want = lora_reference(x, y.clone(), mods, lay)
+            got = apply_lora(x, y.clone(), pool.A[layer][name], pool.B[layer][name], batch, name)
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("expand", ["auto", "fused", "split"])
+@pytest.mark.parametrize("seed", range(4))
+def test_fast_op_matches_reference_on_mixed_batches(expand, seed):
+    pool = full_pool(expand)
+    rng = random.Random(seed)
+    seqs = []
+    for s in rng.sample(range(len(ADAPTERS)), len(ADAPTERS)):
+        seqs += [(s, rng.choice([1, 1, 1, 7, 23]))] * rng.randint(1, 3)  # decodes and prefills
+        if rng.random() < 0.5:
+            seqs.append((None, rng.choice([1, 5])))  # base tokens as their own segments
+    seqs.append((3, 2))  # slot 3 again, not adjacent to its first run
+    check_all_groups(pool, seqs, ADAPTERS, seed)
+
+
+def test_reused_slot_is_fully_overwritten():
+    pool = LoraSlotPool(CFG, 2, MAX_RANK)
+    pool.write(0, make_adapter(10, 32, LORA_MODULES))
+    only_q = make_adapter(11, 8, ("q_proj",))
+    pool.write(0, only_q)
+    fresh = LoraSlotPool(CFG, 2, MAX_RANK)
+    fresh.write(0, only_q)
+    for layer in range(CFG.num_hidden_layers):
+        for name in GROUPS:
+            assert torch.equal(pool.A[layer][name], fresh.A[layer][name])
+            assert torch.equal(pool.B[layer][name], fresh.B[layer][name])
+    assert {g: pool.rank(0, g) for g in GROUPS} == {"qkv": 8, "o": 0, "gate_up": 0, "down": 0}
+    # the op: k/v columns of qkv and all other groups get exactly zero delta
+    batch = LoraBatch.build([(0, 5)], pool)
+    q = CFG.num_attention_heads * CFG.head_dim
+    for layer in range(CFG.num_hidden_layers):
+        for name, lay in pool.layouts.items():
+            x, y = torch.randn(5, lay.d_in), torch.randn(5, lay.d_out)
+            out = apply_lora(x, y.clone(), pool.A[layer][name], pool.B[layer][name], batch, name)
+            keep = slice(q, None) if name == "qkv" else slice(None)
+            assert torch.equal(out[:, keep], y[:, keep]), (layer, name)
+    check_all_groups(pool, [(0, 3), (None, 2), (0, 1)], [only_q])
+
+
+def test_base_only_batch_leaves_y_unchanged():
+    pool = full_pool()
+    batch = LoraBatch.build([(None, 4), (-1, 3), (None, 1)], pool)
+    assert batch.is_empty and batch.num_tokens == 8 and not batch.plans
+    x, y = torch.randn(8, CFG.hidden_size), torch.randn(8, 160)
+    before = y.clone()
+    assert apply_lora(x, y, pool.A[0]["qkv"], pool.B[0]["qkv"], batch, "qkv") is y
+    assert torch.equal(y, before)
+    # an adapter targeting only q_proj makes no plan for the other groups: no work there
+    only_q = LoraBatch.build([(2, 4), (None, 4)], pool)
+    assert set(only_q.plans) == {"qkv"}
+
+
+def test_per_module_delta_equals_scaled_BA():
+    pool = full_pool()
+    lays = group_layouts(CFG)
+    for s, w in enumerate(ADAPTERS):
+        for layer, mods in enumerate(w.layers):
+            for m in LORA_MODULES:
+                g = MODULE_TO_GROUP[m]
+                lay = lays[g]
+                k = lay.modules.index(m)
+                c0, d_out = lay.col_offsets[k], lay.d_outs[k]
+                x = torch.eye(lay.d_in)  # one token per input basis vector: y = delta.T
+                batch = LoraBatch.build([(s, lay.d_in)], pool)
+                y = apply_lora(
+                    x,
+                    torch.zeros(lay.d_in, lay.d_out),
+                    pool.A[layer][g],
+                    pool.B[layer][g],
+                    batch,
+                    g,
+                )
+                delta = y[:, c0 : c0 + d_out].T  # delta: [d_out, d_in]
+                if m in mods:
+                    mw = mods[m]
+                    unscaled = mw.B / mw.scale
+                    torch.testing.assert_close(
+                        delta, mw.scale * unscaled @ mw.A, atol=ATOL, rtol=1e-5
+                    )
+                else:
+                    assert not delta.any(), (s, layer, m)
+
+
+def test_cost_follows_packed_rank_not_max_rank():
+    pool = full_pool()
+    batch = LoraBatch.build([(0, 2), (3, 1), (2, 1)], pool)
+    r0 = {"qkv": 12, "o": 4, "gate_up": 8, "down": 4}
+    assert batch.ranks[0] == r0
+    assert batch.ranks[3] == {"qkv": 32, "o": 0, "gate_up": 0, "down": 0}
+    for g, plan in batch.plans.items():
+        for _xs, a_idx, parts in plan:
+            slot = a_idx[0]
+            view = pool.A[0][g][a_idx]
+            assert view.shape[0] == batch.ranks[slot][g]
+            assert view.data_ptr() == pool.A[0][g][slot].data_ptr()  # a view, not a copy
+            for _, _, b_idx in parts:
+                assert pool.B[0][g][b_idx].shape[0] <= batch.ranks[slot][g]
+
+
+def test_batch_merges_adjacent_runs():
+    pool = full_pool()
+    batch = LoraBatch.build([(0, 3), (0, 2), (None, 4), (1, 0), (1, 1), (1, 1), (0, 2)], pool)
+    assert batch.segments == ((0, 0, 5), (1, 9, 11), (0, 11, 13))
+    assert batch.num_tokens == 13
+    assert batch.token_slots() == [0] * 5 + [-1] * 4 + [1] * 2 + [0] * 2
+
+
+def test_write_rejects_bad_adapters_without_touching_the_slot():
+    pool = LoraSlotPool(CFG, 1, 16)
+    good = make_adapter(20, 8, LORA_MODULES)
+    pool.write(0, good)
+    snapshot = [t.clone() for d in pool.A + pool.B for t in d.values()]
+    too_big = make_adapter(21, 32, ("q_proj",))
+    one_layer = LoraAdapterWeights("x", 8, frozenset(), good.layers[:1], 0, "x")
+    for bad in (too_big, one_layer):
+        with pytest.raises(ValueError):
+            pool.write(0, bad)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(snapshot, [t for d in pool.A + pool.B for t in d.values()], strict=True)
+    )
+    assert pool.rank(0, "qkv") == 24
+    with pytest.raises(IndexError):
+        pool.write(1, good)
+
+
+def test_clear_and_nbytes():
+    pool = full_pool()
+    pool.clear(1)
+    assert all(pool.rank(1, g) == 0 for g in GROUPS)
+    assert LoraBatch.build([(1, 3)], pool).plans == {}
+    assert all(not t[1].any() for d in pool.A + pool.B for t in d.values())
+    lays = group_layouts(CFG)
+    per_rank = sum(len(lay.modules) * (lay.d_in + lay.d_out) for lay in lays.values())
+    assert pool.nbytes == len(ADAPTERS) * CFG.num_hidden_layers * MAX_RANK * 4 * per_rank
