@@ -48,15 +48,15 @@ MAX_RANK = 64
 ATOL = 1e-5
 
 
-def make_adapter(seed: int, rank: int, modules, layer_ranks=None, alpha: float = 16.0):
+def make_adapter(seed: int, rank: int, modules, layer_ranks=None, alpha: float = 16.0, cfg=CFG):
     """Random adapter; layer_ranks[l] overrides the rank in layer l (0 = module absent)."""
     g = torch.Generator().manual_seed(seed)
     layers = []
-    for layer in range(CFG.num_hidden_layers):
+    for layer in range(cfg.num_hidden_layers):
         r = rank if layer_ranks is None else layer_ranks[layer]
         mods = {}
         for m in modules if r else ():
-            d_out, d_in = CFG.module_shape(m)
+            d_out, d_in = cfg.module_shape(m)
             scale = alpha / r
             A = torch.randn(r, d_in, generator=g) / d_in**0.5
             B = torch.randn(d_out, r, generator=g) * scale
@@ -198,6 +198,28 @@ def test_cost_follows_packed_rank_not_max_rank():
             assert view.data_ptr() == pool.A[0][g][slot].data_ptr()  # a view, not a copy
             for _, _, b_idx in parts:
                 assert pool.B[0][g][b_idx].shape[0] <= batch.ranks[slot][g]
+
+
+def test_auto_expand_splits_where_zero_blocks_cost_more_than_calls():
+    smol = ModelConfig(
+        vocab_size=32,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=1,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+    )  # SmolLM2-135M layer shapes
+    pool = LoraSlotPool(smol, 3, MAX_RANK)
+    pool.write(0, make_adapter(30, 8, LORA_MODULES, cfg=smol))
+    pool.write(1, make_adapter(31, 64, LORA_MODULES, cfg=smol))
+    pool.write(2, make_adapter(32, 8, ("q_proj",), cfg=smol))
+    assert pool.parts(0, "gate_up", 1) == ((0, 16, 0, 3072),)  # decode, small rank: fused
+    assert pool.parts(0, "gate_up", 64) == ((0, 8, 0, 1536), (8, 16, 1536, 3072))  # prefill
+    assert len(pool.parts(1, "qkv", 1)) == 3 and len(pool.parts(1, "gate_up", 1)) == 2
+    assert pool.parts(2, "qkv", 1) == ((0, 8, 0, 576),)  # one module: never the k/v zeros
+    assert pool.parts(0, "down", 1000) == ((0, 8, 0, 576),)
+    assert pool.parts(2, "o", 1) == ()
 
 
 def test_batch_merges_adjacent_runs():

@@ -31,9 +31,14 @@ from loraserve.lora.layout import GROUP_NAMES, MODULE_TO_GROUP, GroupLayout, Par
 if TYPE_CHECKING:
     from loraserve.adapters.format import LoraAdapterWeights
 
-# Splitting a group's expand into per-module matmuls skips the zero blocks of B but costs
-# one more BLAS call per module; a call costs about as much as reading this many bytes.
-SPLIT_MIN_SAVED_BYTES = 64 * 1024
+# Expand policy "auto": splitting a group's expand into per-module matmuls skips the zero
+# blocks of B but costs one more BLAS call per module. Measured on 2 AVX-512 cores (decode,
+# 4 tokens/segment): fused wins at rank 8, split at rank >= 16 for gate_up; a small-M call
+# costs about as much as streaming this many weight bytes.
+SPLIT_MIN_SAVED_BYTES = 128 * 1024
+# Above ~12 tokens a segment's matmuls turn compute-bound: the zero blocks then waste FLOPs
+# in proportion to the token count, so they count for that much more.
+SPLIT_COMPUTE_BOUND_TOKENS = 12
 
 
 class LoraSlotPool:
@@ -70,9 +75,10 @@ class LoraSlotPool:
         self._ranks: list[dict[str, int]] = [
             dict.fromkeys(GROUP_NAMES, 0) for _ in range(num_slots)
         ]
-        self._parts: list[dict[str, tuple[Part, ...]]] = [{}] * num_slots  # set_expand fills
-        # per slot: (module -> rank offset, module -> rank), to re-plan parts
-        self._packing: list[tuple[dict[str, int], dict[str, int]]] = [({}, {})] * num_slots
+        # per slot and group: (fused parts, split parts, bytes the split skips)
+        self._parts: list[dict[str, tuple]] = [
+            {g: ((), (), 0) for g in GROUP_NAMES} for _ in range(num_slots)
+        ]
         self.set_expand(expand)
 
     @property
@@ -85,24 +91,28 @@ class LoraSlotPool:
         """Packed rank of `group` in `slot` (0: the adapter targets none of its modules)."""
         return self._ranks[slot][group]
 
-    def parts(self, slot: int, group: str) -> tuple[Part, ...]:
-        """Expand parts (o0, o1, c0, c1) covering the slot's nonzero blocks of B."""
-        return self._parts[slot][group]
+    def parts(self, slot: int, group: str, num_tokens: int = 1) -> tuple[Part, ...]:
+        """Expand parts (o0, o1, c0, c1) covering the slot's nonzero blocks of B, for a
+        segment of num_tokens tokens: one fused block-diagonal matmul, or one per module."""
+        fused, split, saved = self._parts[slot][group]
+        if self.expand == "fused" or len(split) <= 1 and saved == 0:
+            return fused
+        if self.expand == "split" or len(split) == 1:  # same call count, fewer bytes
+            return split
+        weight = max(1.0, num_tokens / SPLIT_COMPUTE_BOUND_TOKENS)
+        return split if saved * weight >= SPLIT_MIN_SAVED_BYTES * (len(split) - 1) else fused
 
     def set_expand(self, expand: str) -> None:
-        """Choose how parts() splits each group's expand; applies to every slot."""
+        """How parts() splits each group's expand, for every slot; "auto" except to measure."""
         if expand not in ("auto", "fused", "split"):
             raise ValueError(f"unknown expand policy {expand!r}")
         self.expand = expand
-        for slot, (offsets, mod_ranks) in enumerate(self._packing):
-            self._parts[slot] = {g: self._plan_parts(g, offsets, mod_ranks) for g in GROUP_NAMES}
 
     def clear(self, slot: int) -> None:
         self._check_slot(slot)
         self._zero(slot)
         self._ranks[slot] = dict.fromkeys(GROUP_NAMES, 0)
-        self._parts[slot] = dict.fromkeys(GROUP_NAMES, ())
-        self._packing[slot] = ({}, {})
+        self._parts[slot] = {g: ((), (), 0) for g in GROUP_NAMES}
 
     def write(self, slot: int, weights: LoraAdapterWeights) -> None:
         """Pack `weights` into `slot`, replacing whatever was there. Validates everything
@@ -129,7 +139,6 @@ class LoraSlotPool:
                 self.A[layer][g][slot, off : off + r].copy_(mw.A)
                 self.B[layer][g][slot, off : off + r, c0 : c0 + d_out].copy_(mw.B.T)
         self._ranks[slot] = ranks
-        self._packing[slot] = (offsets, mod_ranks)
         self._parts[slot] = {g: self._plan_parts(g, offsets, mod_ranks) for g in GROUP_NAMES}
 
     # -- internals ---------------------------------------------------------------------------
@@ -170,22 +179,16 @@ class LoraSlotPool:
 
     def _plan_parts(
         self, g: str, offsets: dict[str, int], mod_ranks: dict[str, int]
-    ) -> tuple[Part, ...]:
+    ) -> tuple[tuple[Part, ...], tuple[Part, ...], int]:
+        """(fused parts, split parts, weight bytes the split skips) of one group."""
         lay = self.layouts[g]
-        split = [
+        split = tuple(
             (offsets[m], offsets[m] + mod_ranks[m], c0, c0 + d)
             for m, c0, d in zip(lay.modules, lay.col_offsets, lay.d_outs, strict=True)
             if m in offsets
-        ]
+        )
         if not split:
-            return ()
+            return (), (), 0
         r = split[-1][1]
-        fused = ((0, r, 0, lay.d_out),)
-        if self.expand == "fused" or len(split) == 1 and split[0][2:] == (0, lay.d_out):
-            return fused
-        if self.expand == "split":
-            return tuple(split)
-        # auto: split only when the zero blocks skipped outweigh the extra calls
         used = sum((o1 - o0) * (c1 - c0) for o0, o1, c0, c1 in split)
-        saved = (r * lay.d_out - used) * self.A[0][g].element_size()
-        return tuple(split) if saved >= SPLIT_MIN_SAVED_BYTES * (len(split) - 1) else fused
+        return ((0, r, 0, lay.d_out),), split, (r * lay.d_out - used) * self.A[0][g].element_size()

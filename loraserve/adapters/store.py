@@ -98,7 +98,7 @@ class AdapterStore:
             entry = self.entries[self.names[name]]
             entry.pinned = entry.pinned or pinned
             return entry
-        if not self._make_host_room(exclude=None):
+        if not self.make_host_room(exclude=None):
             raise LoraServeError(
                 f"cannot load {name!r}: host memory holds max_loaded_loras={self.max_loaded} "
                 "adapters that are all pinned or in use")
@@ -155,17 +155,18 @@ class AdapterStore:
     def _host_entries(self) -> list[AdapterEntry]:
         return [e for e in self.entries.values() if e.weights is not None]
 
-    def _evictable(self, e: AdapterEntry) -> bool:
-        return not e.pinned and e.uid not in self.running_uids
+    def _evictable(self, e: AdapterEntry, protect: set[int] | frozenset = frozenset()) -> bool:
+        return not e.pinned and e.uid not in self.running_uids and e.uid not in protect
 
-    def _make_host_room(self, exclude: int | None) -> bool:
+    def make_host_room(self, exclude: int | None,
+                        protect: set[int] | frozenset = frozenset()) -> bool:
         """Evict LRU host entries until one more fits. False if every one is protected."""
         if self.max_loaded is None:
             return True
         resident = [e for e in self._host_entries() if e.uid != exclude]
         pending = self.loader.num_pending
         while len(resident) + pending >= self.max_loaded:
-            victims = [e for e in resident if self._evictable(e)]
+            victims = [e for e in resident if self._evictable(e, protect)]
             if not victims:
                 return False
             victim = min(victims, key=lambda e: (not e.prefetched, e.last_used))
@@ -198,7 +199,7 @@ class AdapterStore:
             return AdapterState.READY
         if self.loader.is_loading(entry.uid):
             return AdapterState.LOADING
-        if not self._make_host_room(exclude=entry.uid):
+        if not self.make_host_room(exclude=entry.uid):
             return AdapterState.NO_SLOT
         self.loader.start(entry.uid, entry.path)
         return AdapterState.LOADING
@@ -236,18 +237,28 @@ class AdapterStore:
     def _assign_slot(self, entry: AdapterEntry, protected: set[int]) -> None:
         if entry.weights is None:
             raise RuntimeError(f"adapter {entry.name} scheduled without host weights")
+        slot = self.pick_slot(protected)
+        if slot is None:
+            raise RuntimeError("no LoRA slot to evict: admission should have prevented it")
+        self.fill_slot(entry, slot)
+
+    def pick_slot(self, protected: set[int]) -> int | None:
+        """A free slot, else the LRU slot whose adapter is not protected/pinned (evicted)."""
         free = [s for s, owner in enumerate(self.slot_owner) if owner is None]
         if free:
-            slot = free[0]
-        else:
-            owners = [self.entries[o] for o in self.slot_owner if o is not None]
-            victims = [e for e in owners if not e.pinned and e.uid not in protected]
-            if not victims:
-                raise RuntimeError("no LoRA slot to evict: admission should have prevented it")
-            victim = min(victims, key=lambda e: (not e.prefetched, e.last_used))
-            slot = victim.slot
-            self._drop_slot(victim)
-            victim.stats.slot_evictions += 1
+            return free[0]
+        owners = [self.entries[o] for o in self.slot_owner if o is not None]
+        victims = [e for e in owners if not e.pinned and e.uid not in protected]
+        if not victims:
+            return None
+        # Prefetched-but-unused adapters go first, then least recently used.
+        victim = min(victims, key=lambda e: (not e.prefetched, e.last_used))
+        slot = victim.slot
+        self._drop_slot(victim)
+        victim.stats.slot_evictions += 1
+        return slot
+
+    def fill_slot(self, entry: AdapterEntry, slot: int) -> None:
         self.slots.write(slot, entry.weights)  # zeroes the whole slot first
         self.slot_owner[slot] = entry.uid
         entry.slot = slot

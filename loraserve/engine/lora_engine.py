@@ -12,6 +12,7 @@ from pathlib import Path
 
 from loraserve.adapters.format import read_adapter
 from loraserve.adapters.host_cache import HostLoader
+from loraserve.adapters.prefetch import Prefetcher
 from loraserve.adapters.slot_pool import LoraSlotPool
 from loraserve.adapters.store import AdapterStore
 from loraserve.config import EngineConfig
@@ -32,6 +33,7 @@ class LoraEngine(LLMEngine):
                                      max_loras_per_batch=c.max_loras_per_batch,
                                      max_loaded_loras=c.max_loaded_loras)
         self.scheduler.gate = self.adapters
+        self.prefetcher = Prefetcher(self.adapters, c.max_loras_prefetch)
         self._slot_by_uid: dict[int, int] = {}
 
     # --- adapter commands -------------------------------------------------------------------
@@ -74,6 +76,7 @@ class LoraEngine(LLMEngine):
     def step(self) -> list[RequestOutput]:
         self.adapters.poll_loads()
         self.adapters.running_uids = {u for u in self.scheduler.running_uids() if u is not None}
+        self.prefetcher.step(self.scheduler.waiting_uids())
         outputs = self._run_step()
         if not outputs and self.scheduler.has_work and not self.scheduler.running:
             self.adapters.loader.wait_any(timeout=0.05)  # only waiting on adapter loads

@@ -26,7 +26,7 @@ class SlotRanks(Protocol):
 
     def rank(self, slot: int, group: str) -> int: ...
 
-    def parts(self, slot: int, group: str) -> tuple[Part, ...]: ...
+    def parts(self, slot: int, group: str, num_tokens: int) -> tuple[Part, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -72,18 +72,14 @@ class LoraBatch:
         plans = {}
         for g in GROUP_NAMES:
             d_out = pool.layouts[g].d_out
-            parts = {
-                s: _part_indices(s, ranks[s][g], d_out, pool.parts(s, g))
-                for s in slots
-                if ranks[s][g]
-            }
-            plan = tuple(
-                (slice(a, b), (s, slice(0, ranks[s][g])), parts[s])
-                for s, a, b in segments
-                if ranks[s][g]
-            )
+            plan = []
+            for s, a, b in segments:
+                r = ranks[s][g]
+                if r:
+                    parts = _part_indices(s, r, d_out, pool.parts(s, g, b - a))
+                    plan.append((slice(a, b), (s, slice(0, r)), parts))
             if plan:
-                plans[g] = plan
+                plans[g] = tuple(plan)
         return cls(pos, segments, ranks, plans)
 
     def token_slots(self) -> list[int]:
