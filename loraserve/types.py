@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 # Adapter names: letters, digits, '.', '_' and '-' only; ':' is reserved for 'base:adapter'.
 ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     STOP = "stop"  # EOS, a stop string or a stop token id
     LENGTH = "length"  # max_tokens or the model's context length
     ABORT = "abort"  # client gone or aborted by the caller

@@ -169,18 +169,18 @@ class LLMEngine:
         check_stop(req, token, self.eos_ids, self.max_model_len)
         detok, stops = self._detok.get(req.request_id) or self._new_detok(req)
         stop_token = req.finish_reason is FinishReason.STOP  # EOS or a stop id: not text
+        prev = len(req.text)
         if not stop_token:
-            prev = len(req.text)
             req.text += detok.add(token)
-            if req.finish_reason is not None:
-                req.text += detok.flush()
-            if stops:
-                cut = stops.find(req.text, len(req.text) - prev)
-                if cut is not None:
-                    req.text = req.text[:cut]
-                    req.finish_reason = FinishReason.STOP
-                else:
-                    req.holdback = stops.holdback(req.text)
+        if req.finish_reason is not None:
+            req.text += detok.flush()  # whatever was held back for a partial character
+        if stops and len(req.text) > prev:
+            cut = stops.find(req.text, len(req.text) - prev)
+            if cut is not None:
+                req.text = req.text[:cut]
+                req.finish_reason = FinishReason.STOP
+            else:
+                req.holdback = stops.holdback(req.text)
         if req.finish_reason is not None:
             req.holdback = 0
             self._detok.pop(req.request_id, None)

@@ -75,12 +75,18 @@ class LoraEngine(LLMEngine):
 
     def step(self) -> list[RequestOutput]:
         self.adapters.poll_loads()
-        self.adapters.running_uids = {u for u in self.scheduler.running_uids() if u is not None}
+        self._protect_running()
         self.prefetcher.step(self.scheduler.waiting_uids())
         outputs = self._run_step()
+        # bind() narrowed the protected set to this step's batch; between steps (loads,
+        # unloads) exactly the adapters of running requests are protected from eviction.
+        self._protect_running()
         if not outputs and self.scheduler.has_work and not self.scheduler.running:
             self.adapters.loader.wait_any(timeout=0.05)  # only waiting on adapter loads
         return outputs
+
+    def _protect_running(self) -> None:
+        self.adapters.running_uids = {u for u in self.scheduler.running_uids() if u is not None}
 
     def _run_step(self) -> list[RequestOutput]:
         return super().step()

@@ -1,4 +1,4 @@
-"""Per-request sampling for a batch of next-token logits: greedy, temperature, top-k, top-p, seed."""
+"""Per-request sampling of next-token logits: greedy, temperature, top-k, top-p, seed."""
 
 from __future__ import annotations
 

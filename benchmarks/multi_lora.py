@@ -1,0 +1,116 @@
+"""Multi-LoRA throughput on the bundled model, side by side in one run.
+
+64 requests (128 in, 64 out, greedy, ignore EOS) spread over 16 adapters of rank 8..64 on all
+seven modules. Compares: loraserve with every adapter mixed in one batch; PEFT's mixed-batch
+`generate(adapter_names=...)`; PEFT one adapter at a time (`set_adapter`, each adapter's
+requests as one batch: the S-LoRA paper's baseline); loraserve base-only on the same prompts.
+
+    .venv/bin/python benchmarks/multi_lora.py [--reps 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import median, random_prompts, write_result  # noqa: E402
+
+from loraserve import LLM, SamplingParams  # noqa: E402
+from loraserve.bench.make_adapters import make_synthetic_adapters  # noqa: E402
+from loraserve.model.bundled import default_model_dir  # noqa: E402
+
+
+def run_ours(llm: LLM, prompts, loras, out_len: int) -> float:
+    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, lora=loras)
+    dt = time.perf_counter() - t
+    assert all(len(o.token_ids) == out_len for o in outs)
+    return dt
+
+
+def _hf_generate(model, ids: torch.Tensor, out_len: int, **kw) -> None:
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
+                             min_new_tokens=out_len, do_sample=False, pad_token_id=0, **kw)
+    assert out.shape[1] == ids.shape[1] + out_len
+
+
+def run_peft_mixed(peft_model, prompts, loras, out_len: int) -> float:
+    t = time.perf_counter()
+    _hf_generate(peft_model, torch.tensor(prompts), out_len, adapter_names=loras)
+    return time.perf_counter() - t
+
+
+def run_peft_sequential(peft_model, prompts, loras, out_len: int) -> float:
+    t = time.perf_counter()
+    for name in dict.fromkeys(loras):
+        batch = [p for p, n in zip(prompts, loras, strict=True) if n == name]
+        peft_model.set_adapter(name)
+        _hf_generate(peft_model, torch.tensor(batch), out_len)
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--num-adapters", type=int, default=16)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model_dir = default_model_dir()
+    tmp = Path(tempfile.mkdtemp(prefix="loraserve-bench-"))
+    paths = make_synthetic_adapters(model_dir, tmp, args.num_adapters, ranks=(8, 16, 32, 64))
+    names = [p.name for p in paths]
+    llm = LLM(model_dir, lora_paths={p.name: str(p) for p in paths},
+              max_loras_per_batch=args.num_adapters, max_lora_rank=64)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    peft = PeftModel.from_pretrained(base, str(paths[0]), adapter_name=names[0])
+    for p in paths[1:]:
+        peft.load_adapter(str(p), adapter_name=p.name)
+    peft.eval()
+    cfg = llm.engine.model_config
+    prompts = random_prompts(args.num_requests, args.input_len, cfg.vocab_size)
+    loras = [names[i % len(names)] for i in range(args.num_requests)]
+    n_out = args.num_requests * args.output_len
+
+    run_ours(llm, prompts[:4], loras[:4], 4)  # warm-up
+    runs: dict[str, list[float]] = {"ours_multi": [], "ours_base": [], "peft_mixed": [],
+                                    "peft_sequential": []}
+    for i in range(args.reps):
+        runs["ours_multi"].append(run_ours(llm, prompts, loras, args.output_len))
+        runs["peft_mixed"].append(run_peft_mixed(peft, prompts, loras, args.output_len))
+        runs["ours_base"].append(run_ours(llm, prompts, None, args.output_len))
+        runs["peft_sequential"].append(run_peft_sequential(peft, prompts, loras,
+                                                           args.output_len))
+        print(f"rep {i}: " + "  ".join(f"{k} {v[-1]:.1f}s" for k, v in runs.items()),
+              flush=True)
+    tok_s = {k: n_out / median(v) for k, v in runs.items()}
+    res = {
+        "workload": vars(args),
+        "tok_s": tok_s,
+        "ratio_vs_peft_mixed": tok_s["ours_multi"] / tok_s["peft_mixed"],
+        "ratio_vs_peft_sequential": tok_s["ours_multi"] / tok_s["peft_sequential"],
+        "multi_vs_base": tok_s["ours_multi"] / tok_s["ours_base"],
+    }
+    for k, v in tok_s.items():
+        print(f"{k:18s} {v:8.1f} output tok/s")
+    for k in ("ratio_vs_peft_mixed", "ratio_vs_peft_sequential", "multi_vs_base"):
+        print(f"{k:26s} {res[k]:.2f}")
+    print("wrote", write_result("multi_lora", res))
+
+
+if __name__ == "__main__":
+    main()
