@@ -51,3 +51,41 @@ def write_result(name: str, data: dict) -> Path:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
+
+
+class Server:
+    """`loraserve serve` in a subprocess on a free loopback port (log in a temp file)."""
+
+    def __init__(self, *args: str, log_path: Path):
+        import socket
+        import subprocess
+        import sys
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "loraserve.cli", "serve", "--port", str(self.port), *args],
+            stdout=self._log, stderr=subprocess.STDOUT)
+
+    def __enter__(self) -> Server:
+        import httpx
+
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("server did not start")
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+        self._log.close()

@@ -194,12 +194,13 @@ class AdapterStore:
             entry.stats.record_load(secs)
             log.info("adapter %s reloaded into host memory in %.3fs", entry.name, secs)
 
-    def ensure_host(self, entry: AdapterEntry) -> AdapterState:
+    def ensure_host(self, entry: AdapterEntry,
+                    protect: set[int] | frozenset = frozenset()) -> AdapterState:
         if entry.weights is not None:
             return AdapterState.READY
         if self.loader.is_loading(entry.uid):
             return AdapterState.LOADING
-        if not self.make_host_room(exclude=entry.uid):
+        if not self.make_host_room(exclude=entry.uid, protect=protect):
             return AdapterState.NO_SLOT
         self.loader.start(entry.uid, entry.path)
         return AdapterState.LOADING
@@ -213,7 +214,8 @@ class AdapterStore:
         if entry.error is not None:
             err, entry.error = entry.error, None  # a later request may retry the load
             return AdapterState.FAILED, f"adapter {entry.name!r} failed to load: {err}"
-        state = self.ensure_host(entry)
+        # running_uids includes adapters admitted earlier in this same step: keep them.
+        state = self.ensure_host(entry, protect=running_uids)
         if state is not AdapterState.READY:
             return state, ""
         pinned = {e.uid for e in self.entries.values() if e.pinned and e.slot is not None}

@@ -33,6 +33,13 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]
 
 
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    # cache: [S, kvh, hd]; slots: [...]; -> [..., kvh, hd]. index_select on a 2-D view copies
+    # whole rows and is ~8x faster on CPU than advanced indexing with a 2-D index.
+    rows = cache.view(cache.shape[0], -1).index_select(0, slots.reshape(-1))
+    return rows.view(*slots.shape, *cache.shape[1:])
+
+
 def _causal_mask(q_len: int, ctx_len: int) -> torch.Tensor:
     # Query i sits at context position ctx_len - q_len + i and sees positions <= it.
     q_pos = torch.arange(ctx_len - q_len, ctx_len).unsqueeze(1)
@@ -60,8 +67,8 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                enable_gqa=gqa)
         else:
-            ks = k_cache[p.ctx_slots].transpose(0, 1).unsqueeze(0)  # [1, kvh, ctx, hd]
-            vs = v_cache[p.ctx_slots].transpose(0, 1).unsqueeze(0)
+            ks = _gather(k_cache, p.ctx_slots).transpose(0, 1).unsqueeze(0)  # [1, kvh, ctx, hd]
+            vs = _gather(v_cache, p.ctx_slots).transpose(0, 1).unsqueeze(0)
             mask = _causal_mask(q_len, p.ctx_len)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                                enable_gqa=gqa)
@@ -70,8 +77,8 @@ def paged_attention(
         rows = meta.decode_rows
         qd = q if meta.decode_contiguous and not meta.prefills else q[rows]
         qd = qd.unsqueeze(2)  # [Bd, nh, 1, hd]
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [Bd, kvh, L, hd]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        kd = _gather(k_cache, meta.decode_slots).transpose(1, 2)  # [Bd, kvh, L, hd]
+        vd = _gather(v_cache, meta.decode_slots).transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
                                            enable_gqa=gqa)
         o = o.squeeze(2)  # [Bd, nh, hd]
