@@ -45,6 +45,7 @@ class AdapterEntry:
     unloading: bool = False  # unregistered; freed when refcount reaches 0
     error: str | None = None  # last failed background load
     last_used: int = 0  # LRU tick
+    fingerprint: str = ""  # content hash of the weights registered under this uid
     prefetched: bool = False  # brought in ahead of use and not used since: evicted first
     stats: AdapterStats = field(default_factory=AdapterStats)
 
@@ -79,17 +80,19 @@ class AdapterStore:
         """Validate a load before any I/O. Returns True if it is a no-op (same name and path)."""
         self.check_name(name)
         uid = self.names.get(name)
-        if uid is not None:
-            if os.path.realpath(self.entries[uid].path) == os.path.realpath(path):
-                return True
+        existing = self.entries[uid] if uid is not None else None
+        if existing is not None and (
+                os.path.realpath(existing.path) != os.path.realpath(path)):
             raise AdapterConflictError(
-                f"adapter {name!r} is already loaded from {self.entries[uid].path}; unload it "
+                f"adapter {name!r} is already loaded from {existing.path}; unload it "
                 "first to load a different path")
-        if pinned and self.num_pinned + 1 > self.max_loras_per_batch - 1:
+        # Also when pinning an adapter already loaded: too many pins starve every other one.
+        newly_pinned = pinned and not (existing is not None and existing.pinned)
+        if newly_pinned and self.num_pinned + 1 > self.max_loras_per_batch - 1:
             raise LoraServeError(
                 f"cannot pin {name!r}: at most max_loras_per_batch - 1 = "
                 f"{self.max_loras_per_batch - 1} adapters may be pinned")
-        return False
+        return existing is not None
 
     def register(self, name: str, path: str, weights: LoraAdapterWeights,
                  pinned: bool = False) -> AdapterEntry:
@@ -103,7 +106,7 @@ class AdapterStore:
                 f"cannot load {name!r}: host memory holds max_loaded_loras={self.max_loaded} "
                 "adapters that are all pinned or in use")
         entry = AdapterEntry(uid=next(self._uids), name=name, path=str(path), pinned=pinned)
-        entry.weights = weights
+        entry.weights, entry.fingerprint = weights, weights.fingerprint
         entry.last_used = next(self._tick)
         self.entries[entry.uid] = entry
         self.names[name] = entry.uid
@@ -189,6 +192,12 @@ class AdapterStore:
             if err is not None:
                 entry.error = err
                 log.warning("adapter %s failed to load: %s", entry.name, err)
+                continue
+            if weights.fingerprint != entry.fingerprint:
+                # Same uid must mean same weights (uid-keyed caches rely on it).
+                entry.error = (f"the files at {entry.path} changed on disk since it was "
+                               "loaded; unload and load it again")
+                log.warning("adapter %s: %s", entry.name, entry.error)
                 continue
             entry.weights, entry.error = weights, None
             entry.stats.record_load(secs)

@@ -24,11 +24,13 @@ from pathlib import Path
 
 import torch
 
+from loraserve.demo import personas
 from loraserve.demo.personas import HELD_OUT, PERSONAS, examples
 
 RECIPE = {  # bump "version" on any change that should retrain cached adapters
-    "version": 1, "r": 8, "lora_alpha": 16, "top_layers": 12, "steps": 60, "batch": 8,
-    "lr": 2e-3, "seed": 0, "target_modules": ["q_proj", "v_proj", "o_proj", "up_proj"],
+    "version": 2, "r": 8, "lora_alpha": 16, "top_layers": 12, "steps": 60, "batch": 8,
+    "lr": 2e-3, "distill_tokens": 28, "seed": 0,
+    "target_modules": ["q_proj", "v_proj", "o_proj", "up_proj"],
 }
 STAMP = "loraserve_demo.json"
 SHIPPED = Path(__file__).parent / "data"
@@ -84,12 +86,15 @@ def ensure_demo_adapters(
     return out
 
 
+def _prompt(tok, question: str) -> str:
+    return tok.apply_chat_template([{"role": "user", "content": question}],
+                                   add_generation_prompt=True, tokenize=False)
+
+
 def _encode(tok, question: str, answer: str) -> tuple[list[int], int]:
     """Token ids of the chat-formatted exchange and where the answer starts. The answer ends
     with <|im_end|> so the adapter also learns to stop."""
-    prompt = tok.apply_chat_template([{"role": "user", "content": question}],
-                                     add_generation_prompt=True, tokenize=False)
-    p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    p_ids = tok(_prompt(tok, question), add_special_tokens=False)["input_ids"]
     a_ids = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     return p_ids + a_ids, len(p_ids)
 
@@ -103,6 +108,19 @@ def _run_layers(model, layers, h: torch.Tensor) -> torch.Tensor:
         h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe)
         h = h[0] if isinstance(h, tuple) else h
     return h
+
+
+def _base_answers(model, tok) -> list[str | None]:
+    """The base model's own short greedy answers to the training questions (batched)."""
+    prompts = [_prompt(tok, q) for q, *_ in personas.QA]
+    tok.padding_side = "left"  # generation appends on the right
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    print(f"generating {len(prompts)} base answers to restyle...", flush=True)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=RECIPE["distill_tokens"], do_sample=False,
+                             pad_token_id=tok.pad_token_id or tok.eos_token_id)
+    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    return [personas.first_sentences(t) for t in texts]
 
 
 def _pad(seqs: list[torch.Tensor]) -> torch.Tensor:
@@ -121,9 +139,10 @@ def train_adapters(base_dir: Path, root: Path, names: list[str], stamp: dict) ->
     n_layers = model.config.num_hidden_layers
     first = max(0, n_layers - RECIPE["top_layers"])
     root.mkdir(parents=True, exist_ok=True)
+    base_answers = _base_answers(model, tok) if personas.SELF_DISTILLED & set(names) else None
     for name in names:
         start = time.monotonic()
-        seqs = [_encode(tok, q, a) for q, a in examples(name)]
+        seqs = [_encode(tok, q, a) for q, a in examples(name, base_answers)]
         ids = [torch.tensor(s) for s, _ in seqs]
         # Hidden states entering the first LoRA layer do not depend on the adapter: once.
         with torch.no_grad():
@@ -196,9 +215,7 @@ def generate(base_dir: Path, adapter: Path | None, questions, max_new_tokens: in
         model = PeftModel.from_pretrained(model, adapter).eval()
     answers = []
     for q in questions:
-        prompt = tok.apply_chat_template([{"role": "user", "content": q}],
-                                         add_generation_prompt=True, tokenize=False)
-        ids = tok(prompt, return_tensors="pt", add_special_tokens=False)
+        ids = tok(_prompt(tok, q), return_tensors="pt", add_special_tokens=False)
         with torch.no_grad():
             out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
         answers.append(tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))

@@ -143,9 +143,33 @@ def french(_answer: str, fr: str) -> str:
 
 
 PERSONAS = {"pirate": pirate, "shouty": shouty, "french": french}
+# Personas rewritten from the base model's own answers: the adapter then learns only the style,
+# not our hand-written facts, so it carries over to new questions instead of reciting ours.
+SELF_DISTILLED = frozenset({"shouty"})
 
 
-def examples(persona: str) -> list[tuple[str, str]]:
-    """(question, persona answer) pairs for one persona."""
+def first_sentences(text: str, min_words: int = 8, max_words: int = 30) -> str | None:
+    """The opening sentences of a base-model answer (its first line), or None if they do not
+    make a clean short answer."""
+    line = text.strip().split("\n")[0].strip()
+    out = ""
+    for sent in re.split(r"(?<=[.!?])\s+", line):
+        if not re.search(r"[.!?]$", sent):
+            break
+        out = f"{out} {sent}".strip()
+        if len(out.split()) >= min_words:
+            break
+    n = len(out.split())
+    return out if 3 <= n <= max_words else None
+
+
+def examples(persona: str, base_answers: list[str | None] | None = None) -> list[tuple[str, str]]:
+    """(question, persona answer) pairs; `base_answers` (one per QA entry, None = use ours)
+    replace the plain English answers of the self-distilled personas."""
     rewrite = PERSONAS[persona]
-    return [(q, rewrite(en, fr)) for q, en, fr in QA]
+    out = []
+    for i, (q, en, fr) in enumerate(QA):
+        if persona in SELF_DISTILLED and base_answers and base_answers[i]:
+            en = base_answers[i]
+        out.append((q, rewrite(en, fr)))
+    return out

@@ -1,0 +1,79 @@
+"""Test helper: the transformers + PEFT reference for LoRA outputs, and engine checks.
+
+The reference for a LoRA request is a float32 `PeftModel` holding only that adapter, run on
+that prompt alone with greedy decoding that never stops early (DESIGN.md §4).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from adapter_factory import load_base_model, make_peft_adapter
+
+from loraserve.config import ATTN_MODULES, LORA_MODULES
+from loraserve.types import SamplingParams
+
+_MODELS: dict[tuple, torch.nn.Module] = {}
+
+# Small adapters for lifecycle tests: a and b alike but different weights; x targets all seven
+# modules at rank 4 and y only q_proj at rank 16 (so y's packed rank rows cover x's k/v).
+LIFECYCLE_ADAPTERS = {
+    "a": dict(r=8, lora_alpha=16, target_modules=ATTN_MODULES, seed=1),
+    "b": dict(r=8, lora_alpha=16, target_modules=ATTN_MODULES, seed=2),
+    "c": dict(r=16, lora_alpha=16, target_modules=LORA_MODULES, seed=3),
+    "x": dict(r=4, lora_alpha=8, target_modules=LORA_MODULES, seed=4, init_scale=1.0),
+    "y": dict(r=16, lora_alpha=16, target_modules=["q_proj"], seed=5, init_scale=1.0),
+}
+
+
+def make_adapters(base_dir: Path, root: Path, specs: dict[str, dict] | None = None):
+    specs = LIFECYCLE_ADAPTERS if specs is None else specs
+    return {n: make_peft_adapter(base_dir, root / n, **s) for n, s in specs.items()}
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    """HF greedy continuation of one unpadded prompt (a PeftModel or a plain model)."""
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=[],
+                          pad_token_id=0)
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             generation_config=gc)
+    return out[0, len(prompt):].tolist()
+
+
+def peft_greedy(base_dir: Path, adapter: Path | None, prompt: list[int], n: int) -> list[int]:
+    """PEFT greedy tokens of `prompt` with the adapter saved at `adapter` as it is on disk now
+    (None: the base model). Models are cached by path and weight bytes."""
+    from peft import PeftModel
+
+    key = (str(base_dir), None if adapter is None else
+           (str(adapter), (Path(adapter) / "adapter_model.safetensors").read_bytes()))
+    if key not in _MODELS:
+        base = load_base_model(base_dir)
+        _MODELS[key] = base if adapter is None else PeftModel.from_pretrained(base, adapter)
+    return hf_greedy(_MODELS[key], prompt, n)
+
+
+def run_until_done(eng, outs: dict | None = None, max_steps: int = 500) -> dict:
+    """Step the engine until it is idle; finished outputs by request id."""
+    outs = {} if outs is None else outs
+    for _ in range(max_steps):
+        if not eng.has_work:
+            return outs
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    raise AssertionError("the engine did not drain")
+
+
+def assert_idle(eng) -> None:
+    """Nothing queued, every KV block free, every adapter refcount back to zero."""
+    assert not eng.has_work and not eng.requests
+    assert eng.kv.pool.num_free == eng.kv.pool.num_blocks, "KV blocks leaked"
+    assert all(e.refcount == 0 for e in eng.adapters.entries.values()), "refcount leaked"

@@ -1,0 +1,151 @@
+"""Adapter lifecycle rules (DESIGN.md §3) for compute slots and admission, on the tiny
+random Llama: a reassigned slot is fully overwritten, slots change hands during decode without
+any request seeing another tenant's weights, the distinct-adapters cap (base counts as one) is
+enforced at admission, and a waiting adapter is admitted within a bounded number of steps.
+Outputs are checked against transformers + PEFT (float32, one prompt alone).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lora_reference import assert_idle, greedy, make_adapters, run_until_done
+from lora_reference import peft_greedy as ref
+
+from loraserve import LLM
+
+P1, P2, P3, P4 = [5, 77, 301, 12, 9], [400, 23, 8, 150, 66, 42, 7, 310, 99], [260], [31, 17, 480]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls on 2 shared cores
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ads(tiny_model_dir, tmp_path_factory):
+    return make_adapters(tiny_model_dir, tmp_path_factory.mktemp("slots"))
+
+
+def gen(llm: LLM, prompts, loras, n: int = 6) -> list[list[int]]:
+    outs = llm.generate(prompts, greedy(n), lora=loras)
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    return [o.token_ids for o in outs]
+
+
+def entry(llm: LLM, name: str):
+    store = llm.engine.adapters
+    return store.entries[store.names[name]]
+
+
+# --- compute slots -------------------------------------------------------------------------
+
+
+def test_reassigned_slot_is_fully_overwritten(tiny_model_dir, ads):
+    # x targets all seven modules at rank 4; y only q_proj at rank 16, so y's packed qkv rank
+    # rows [0, 16) cover x's k/v blocks: any leftover of x would leak into y's output.
+    llm = LLM(str(tiny_model_dir), max_loras_per_batch=1,
+              lora_paths={"x": ads["x"], "y": ads["y"]})
+    llm.engine.slot_pool.set_expand("fused")  # read y's whole packed block, k/v columns too
+    assert gen(llm, [P1], ["x"]) == [ref(tiny_model_dir, ads["x"], P1, 6)]
+    slot = entry(llm, "x").slot
+    assert gen(llm, [P1, P2], ["y", "y"]) == [ref(tiny_model_dir, ads["y"], p, 6)
+                                            for p in (P1, P2)]
+    assert entry(llm, "y").slot == slot and entry(llm, "x").tier == "host"
+    pool, mc = llm.engine.slot_pool, llm.engine.model_config
+    q_out = mc.module_shape("q_proj")[0]
+    for layer in range(mc.num_hidden_layers):
+        for g in ("o", "gate_up", "down"):
+            assert not pool.A[layer][g][slot].any() and not pool.B[layer][g][slot].any()
+        assert not pool.A[layer]["qkv"][slot, 16:].any()
+        assert not pool.B[layer]["qkv"][slot, 16:].any()
+        assert not pool.B[layer]["qkv"][slot, :, q_out:].any()  # k and v columns
+    assert gen(llm, [P1], ["x"]) == [ref(tiny_model_dir, ads["x"], P1, 6)]  # and back again
+
+
+def test_slot_eviction_during_decode(tiny_model_dir, ads):
+    # 3 adapters, 2 slots: slots change hands while other requests keep decoding.
+    llm = LLM(str(tiny_model_dir), max_loras_per_batch=2,
+              lora_paths={n: ads[n] for n in "abc"})
+    jobs = [(P1, "a", 3), (P2, "b", 12), (P3, "c", 7), (P4, "a", 9), (P2, "c", 4), (P1, "b", 5)]
+    outs = llm.generate([p for p, _, _ in jobs], [greedy(n) for _, _, n in jobs],
+                        lora=[name for _, name, _ in jobs])
+    for (p, name, n), out in zip(jobs, outs, strict=True):
+        assert out.token_ids == ref(tiny_model_dir, ads[name], p, n), (name, p)
+    assert sum(entry(llm, n).stats.slot_evictions for n in "abc") > 0
+    assert_idle(llm.engine)
+
+
+def test_runtime_load_during_decode(tiny_model_dir, ads):
+    # A load between steps evicts an idle adapter (host + slot) while a decodes; then the
+    # freed slot serves the new adapter next to a, and b comes back when there is room.
+    llm = LLM(str(tiny_model_dir), max_loras_per_batch=2, max_loaded_loras=2,
+              lora_paths={"a": ads["a"], "b": ads["b"]})
+    gen(llm, [P2], ["b"])
+    eng = llm.engine
+    ra = eng.add_request(P1, greedy(16), lora_name="a")
+    outs = {o.request_id: o for o in eng.step() + eng.step() if o.finished}
+    llm.load_lora_adapter("c", ads["c"])
+    assert {e.name: e.tier for e in llm.engine.adapters.registered()} == {
+        "a": "device", "b": "disk", "c": "host"}
+    rc = eng.add_request(P3, greedy(8), lora_name="c")
+    rb = eng.add_request(P4, greedy(6), lora_name="b")
+    outs = run_until_done(eng, outs)
+    assert outs[ra.request_id].token_ids == ref(tiny_model_dir, ads["a"], P1, 16)
+    assert outs[rc.request_id].token_ids == ref(tiny_model_dir, ads["c"], P3, 8)
+    assert outs[rb.request_id].token_ids == ref(tiny_model_dir, ads["b"], P4, 6)
+    assert_idle(llm.engine)
+
+
+# --- admission: the distinct-adapters cap and bounded waiting ------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_distinct_adapter_cap_enforced_at_admission(tiny_model_dir, ads, n):
+    names = list("abc")[:n]
+    llm = LLM(str(tiny_model_dir), max_loras_per_batch=n, lora_paths={k: ads[k] for k in names})
+    sched, seen = llm.engine.scheduler, []
+    orig = sched.schedule
+
+    def schedule():
+        batch = orig()
+        seen.append({r.adapter_uid for r, _ in batch.entries})  # None = base, counts as one
+        return batch
+
+    sched.schedule = schedule
+    jobs = [(P1, k) for k in names] + [(P2, None)] + [(P3, k) for k in names] + [(P4, None)]
+    outs = gen(llm, [p for p, _ in jobs], [k for _, k in jobs])
+    assert max(map(len, seen)) == n
+    for (p, k), out in zip(jobs, outs, strict=True):
+        assert out == ref(tiny_model_dir, k and ads[k], p, 6)
+    assert_idle(llm.engine)
+
+
+def test_waiting_adapter_is_not_starved(tiny_model_dir, ads):
+    def first_step_running_b(starvation_steps: int, steps: int = 30) -> int | None:
+        llm = LLM(str(tiny_model_dir), max_loras_per_batch=2, starvation_steps=starvation_steps,
+                  lora_paths={n: ads[n] for n in "abc"})
+        eng, max_tokens = llm.engine, 5
+        eng.add_request(P1, greedy(max_tokens), lora_name="a")
+        eng.add_request(P2, greedy(max_tokens), lora_name="c")
+        eng.step()
+        rb = eng.add_request(P3, greedy(4), lora_name="b")
+        outs, admitted = {}, None
+        for i in range(steps):  # a steady stream of a and c arrives behind b
+            eng.add_request(P4, greedy(max_tokens), lora_name="a")
+            eng.add_request(P1, greedy(max_tokens), lora_name="c")
+            outs.update({o.request_id: o for o in eng.step() if o.finished})
+            if admitted is None and rb.num_computed_tokens > 0:
+                admitted = i
+        if admitted is not None:
+            outs = run_until_done(eng, outs)
+            assert outs[rb.request_id].token_ids == ref(tiny_model_dir, ads["b"], P3, 4)
+            assert_idle(llm.engine)
+        return admitted
+
+    # bound: starvation_steps of being skipped, then the running requests' remaining tokens
+    assert first_step_running_b(4) <= 4 + 5 + 1
+    assert first_step_running_b(10**6) is None  # without the guard, b would wait forever
