@@ -40,3 +40,15 @@ def bundled_model_dir() -> Path:
     from loraserve.model.bundled import default_model_dir
 
     return default_model_dir()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread():
+    # Tiny matmuls on 2 cores: one intra-op thread is faster than two, and avoids OpenMP
+    # spin-waiting against the server subprocesses the end-to-end tests start.
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
 from adapter_factory import edit_tensors, make_peft_adapter, truncate_weights
 from lora_reference import assert_idle, greedy, make_adapters, run_until_done
 from lora_reference import peft_greedy as ref
@@ -25,13 +24,6 @@ from loraserve.types import (
 
 P1, P2, P3, P4 = [5, 77, 301, 12, 9], [400, 23, 8, 150, 66, 42, 7, 310, 99], [260], [31, 17, 480]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls on 2 shared cores
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ Outputs are checked against transformers + PEFT (float32, one prompt alone).
 from __future__ import annotations
 
 import pytest
-import torch
 from lora_reference import assert_idle, greedy, make_adapters, run_until_done
 from lora_reference import peft_greedy as ref
 
@@ -16,13 +15,6 @@ from loraserve import LLM
 
 P1, P2, P3, P4 = [5, 77, 301, 12, 9], [400, 23, 8, 150, 66, 42, 7, 310, 99], [260], [31, 17, 480]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls on 2 shared cores
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

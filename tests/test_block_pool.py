@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from loraserve import LLM, SamplingParams
 from loraserve.config import EngineConfig
@@ -17,13 +16,6 @@ from loraserve.types import FinishReason
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls on 2 shared cores
-    yield
-    torch.set_num_threads(before)
 
 
 # ---- the pool --------------------------------------------------------------------------------

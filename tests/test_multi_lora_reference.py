@@ -15,7 +15,6 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 from adapter_factory import build_peft_model, load_base_model
 from lora_reference import hf_greedy as greedy
 
@@ -51,14 +50,6 @@ CONFIGS = {
               "kv_cache_tokens": 160, "block_size": 4},
 }
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls on 2 shared cores: one intra-op thread is several times faster."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def build_references(base_dir: Path, out_dir: Path, adapters: dict[str, dict],

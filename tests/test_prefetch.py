@@ -4,7 +4,6 @@ a failing background load errors the waiting request cleanly."""
 from __future__ import annotations
 
 import pytest
-import torch
 from adapter_factory import truncate_weights
 from lora_reference import assert_idle, greedy, make_adapters, run_until_done
 from lora_reference import peft_greedy as ref
@@ -14,13 +13,6 @@ from loraserve.types import FinishReason
 
 P1, P2 = [5, 77, 301, 12, 9], [400, 23, 8, 150, 66]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -45,14 +45,6 @@ _HF: dict[str, tuple] = {}
 _REF: dict[tuple, list[int]] = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls on 2 shared cores: one intra-op thread is several times faster."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def hf_model(model_dir: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer

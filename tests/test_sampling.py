@@ -12,13 +12,6 @@ from loraserve.types import FinishReason
 EOS_IDS = (1, 3)  # tiny model: </s> and <|im_end|> (generation_config.json)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls on 2 shared cores
-    yield
-    torch.set_num_threads(before)
-
 
 def prompt(n: int, start: int = 10) -> list[int]:
     return [(start + 13 * i) % 500 + 4 for i in range(n)]
