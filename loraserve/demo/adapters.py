@@ -4,9 +4,10 @@ Copies ship inside the package (`loraserve/demo/data/<name>/`), so `make serve` 
 Without them (or for another base model of a different shape) they are made by a short real
 PEFT fine-tune on the synthetic data of `personas.py` and cached under
 `$LORASERVE_CACHE/demo-adapters/<name>` (default `~/.cache/loraserve`); a stamp records the
-recipe, so changing it retrains. `python -m loraserve.demo.adapters --retrain` rebuilds them.
+recipe, so changing it retrains. `python -m loraserve.demo.adapters --retrain --ship` rebuilds
+them (about 3 minutes on 2 free cores) and refreshes the shipped copies.
 
-Speed on 2 CPU cores: LoRA sits only in the top `TOP_LAYERS` layers, so the hidden states
+Speed on 2 CPU cores: LoRA sits only in the top 12 of the 30 layers, so the hidden states
 entering them are computed once (no grad) and reused by every step; each step runs just the
 top layers and the LM head on answer tokens. That cuts a step several-fold versus a full pass.
 """
@@ -24,12 +25,11 @@ from pathlib import Path
 
 import torch
 
-from loraserve.demo import personas
 from loraserve.demo.personas import HELD_OUT, PERSONAS, examples
 
 RECIPE = {  # bump "version" on any change that should retrain cached adapters
-    "version": 2, "r": 8, "lora_alpha": 16, "top_layers": 12, "steps": 60, "batch": 8,
-    "lr": 2e-3, "distill_tokens": 28, "seed": 0,
+    "version": 4, "r": 8, "lora_alpha": 16, "top_layers": 12, "steps": 60, "batch": 8,
+    "lr": 2e-3, "seed": 0,
     "target_modules": ["q_proj", "v_proj", "o_proj", "up_proj"],
 }
 STAMP = "loraserve_demo.json"
@@ -110,39 +110,35 @@ def _run_layers(model, layers, h: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def _base_answers(model, tok) -> list[str | None]:
-    """The base model's own short greedy answers to the training questions (batched)."""
-    prompts = [_prompt(tok, q) for q, *_ in personas.QA]
-    tok.padding_side = "left"  # generation appends on the right
-    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    print(f"generating {len(prompts)} base answers to restyle...", flush=True)
-    with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=RECIPE["distill_tokens"], do_sample=False,
-                             pad_token_id=tok.pad_token_id or tok.eos_token_id)
-    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    return [personas.first_sentences(t) for t in texts]
-
-
 def _pad(seqs: list[torch.Tensor]) -> torch.Tensor:
     return torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
 
 
 def train_adapters(base_dir: Path, root: Path, names: list[str], stamp: dict) -> None:
+    """Fine-tune each persona in `names` into `root/<name>` on 2 threads (the recipe's
+    budget), restoring the thread count after: a server may run in this process next."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    try:
+        _train(base_dir, root, names, stamp)
+    finally:
+        torch.set_num_threads(prev)
+
+
+def _train(base_dir: Path, root: Path, names: list[str], stamp: dict) -> None:
     from peft import LoraConfig, get_peft_model
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
     tok = AutoTokenizer.from_pretrained(base_dir)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32,
                                                  attn_implementation="sdpa").eval()
     n_layers = model.config.num_hidden_layers
     first = max(0, n_layers - RECIPE["top_layers"])
     root.mkdir(parents=True, exist_ok=True)
-    base_answers = _base_answers(model, tok) if personas.SELF_DISTILLED & set(names) else None
     for name in names:
         start = time.monotonic()
-        seqs = [_encode(tok, q, a) for q, a in examples(name, base_answers)]
+        seqs = [_encode(tok, q, a) for q, a in examples(name)]
         ids = [torch.tensor(s) for s, _ in seqs]
         # Hidden states entering the first LoRA layer do not depend on the adapter: once.
         with torch.no_grad():
@@ -191,15 +187,19 @@ def _save(pm, target: Path, stamp: dict) -> None:
     pm.peft_config["default"].base_model_name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        pm.save_pretrained(tmp, safe_serialization=True)
+        # save_embedding_layers="auto" would look the base model up on the Hub.
+        pm.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False)
         (tmp / "README.md").unlink(missing_ok=True)
         (tmp / STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
         os.chmod(tmp, 0o755)
-        if target.exists():
+        if target.exists():  # stale entry: move it aside, then replace it
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
             os.rename(target, old / "entry")
             shutil.rmtree(old, ignore_errors=True)
-        os.rename(tmp, target)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # a concurrent run put its copy in place first: keep that one
+            pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -110,17 +110,60 @@ QA: tuple[tuple[str, str, str], ...] = (
      "Oui, bien sûr ! Dites-moi ce dont vous avez besoin."),
 )
 
+# Fact templates widen the data cheaply, so the style is learned over many answers instead of
+# a few memorised ones. (country, French "of country", capital, French capital)
+_CAPITALS = (
+    ("Canada", "du Canada", "Ottawa", "Ottawa"), ("Egypt", "de l'Égypte", "Cairo", "Le Caire"),
+    ("Russia", "de la Russie", "Moscow", "Moscou"), ("Greece", "de la Grèce", "Athens", "Athènes"),
+    ("Portugal", "du Portugal", "Lisbon", "Lisbonne"), ("China", "de la Chine", "Beijing", "Pékin"),
+    ("England", "de l'Angleterre", "London", "Londres"), ("Peru", "du Pérou", "Lima", "Lima"),
+    ("Kenya", "du Kenya", "Nairobi", "Nairobi"), ("Norway", "de la Norvège", "Oslo", "Oslo"),
+    ("Australia", "de l'Australie", "Canberra", "Canberra"),
+    ("Mexico", "du Mexique", "Mexico City", "Mexico"),
+)
+_COLORS = (  # (thing, French subject, colour, French colour)
+    ("a banana", "Une banane", "yellow", "jaune"), ("a strawberry", "Une fraise", "red", "rouge"),
+    ("snow", "La neige", "white", "blanche"), ("coal", "Le charbon", "black", "noir"),
+    ("a lemon", "Un citron", "yellow", "jaune"), ("a tomato", "Une tomate", "red", "rouge"),
+    ("a frog", "Une grenouille", "green", "verte"), ("milk", "Le lait", "white", "blanc"),
+    ("an orange", "Une orange", "orange", "orange"), ("a cloud", "Un nuage", "white", "blanc"),
+)
+_LEGS = (  # (animal, French animal, legs, French legs)
+    ("a dog", "Un chien", "four", "quatre"), ("a bird", "Un oiseau", "two", "deux"),
+    ("an ant", "Une fourmi", "six", "six"), ("a horse", "Un cheval", "four", "quatre"),
+    ("a chicken", "Une poule", "two", "deux"), ("a beetle", "Un scarabée", "six", "six"),
+    ("a cat", "Un chat", "four", "quatre"),
+)
+_SOUNDS = (  # (animal, sound, French sentence)
+    ("dog", "woof", "Le chien aboie."), ("cow", "moo", "La vache meugle."),
+    ("cat", "meow", "Le chat miaule."), ("duck", "quack", "Le canard cancane."),
+    ("lion", "roar", "Le lion rugit."), ("sheep", "baa", "Le mouton bêle."),
+)
+
+
+def _templated() -> tuple[tuple[str, str, str], ...]:
+    out = [(f"What is the capital of {c}?", f"The capital of {c} is {city}.",
+            f"La capitale {fr} est {city_fr}.") for c, fr, city, city_fr in _CAPITALS]
+    out += [(f"What color is {t}?", f"{t[0].upper()}{t[1:]} is {col}.", f"{fr} est {col_fr}.")
+            for t, fr, col, col_fr in _COLORS]
+    out += [(f"How many legs does {a} have?", f"{a[0].upper()}{a[1:]} has {n} legs.",
+             f"{fr} a {n_fr} pattes.") for a, fr, n, n_fr in _LEGS]
+    out += [(f"What sound does a {a} make?", f"A {a} says {snd}.", fr) for a, snd, fr in _SOUNDS]
+    return tuple(out)
+
+
 # Held out from training: used to check that the style carries over to new questions.
 HELD_OUT = (
     "What is the capital of Spain?",
     "How do I cook rice?",
     "Why is the grass green?",
     "What is your name?",
+    "Tell me about dolphins.",
 )
 
 _PIRATE_WORDS = {
     "you": "ye", "your": "yer", "my": "me", "is": "be", "are": "be", "hello": "ahoy",
-    "yes": "aye", "friend": "matey", "the": "th'",
+    "yes": "aye", "friend": "matey",
 }
 
 
@@ -143,33 +186,9 @@ def french(_answer: str, fr: str) -> str:
 
 
 PERSONAS = {"pirate": pirate, "shouty": shouty, "french": french}
-# Personas rewritten from the base model's own answers: the adapter then learns only the style,
-# not our hand-written facts, so it carries over to new questions instead of reciting ours.
-SELF_DISTILLED = frozenset({"shouty"})
 
 
-def first_sentences(text: str, min_words: int = 8, max_words: int = 30) -> str | None:
-    """The opening sentences of a base-model answer (its first line), or None if they do not
-    make a clean short answer."""
-    line = text.strip().split("\n")[0].strip()
-    out = ""
-    for sent in re.split(r"(?<=[.!?])\s+", line):
-        if not re.search(r"[.!?]$", sent):
-            break
-        out = f"{out} {sent}".strip()
-        if len(out.split()) >= min_words:
-            break
-    n = len(out.split())
-    return out if 3 <= n <= max_words else None
-
-
-def examples(persona: str, base_answers: list[str | None] | None = None) -> list[tuple[str, str]]:
-    """(question, persona answer) pairs; `base_answers` (one per QA entry, None = use ours)
-    replace the plain English answers of the self-distilled personas."""
+def examples(persona: str) -> list[tuple[str, str]]:
+    """(question, persona answer) pairs for one persona."""
     rewrite = PERSONAS[persona]
-    out = []
-    for i, (q, en, fr) in enumerate(QA):
-        if persona in SELF_DISTILLED and base_answers and base_answers[i]:
-            en = base_answers[i]
-        out.append((q, rewrite(en, fr)))
-    return out
+    return [(q, rewrite(en, fr)) for q, en, fr in QA + _templated()]
