@@ -26,12 +26,16 @@ class LoraHook(Protocol):
 
 @dataclass
 class LayerWeights:
+    """Linear weights are stored transposed, [d_in, d_out], and applied as `x @ w`: on this
+    CPU the resulting NN GEMM streams weights ~25% faster at small batch than `F.linear`'s
+    NT form (benchmarks/offline_throughput.py; the decode step is weight-bandwidth bound)."""
+
     input_norm: torch.Tensor  # [d]
-    qkv: torch.Tensor  # [q + 2*kv, d]   fused q_proj, k_proj, v_proj
-    o: torch.Tensor  # [d, q]
+    qkv: torch.Tensor  # [d, q + 2*kv]   fused q_proj, k_proj, v_proj
+    o: torch.Tensor  # [q, d]
     post_norm: torch.Tensor  # [d]
-    gate_up: torch.Tensor  # [2*inter, d]  fused gate_proj, up_proj
-    down: torch.Tensor  # [d, inter]
+    gate_up: torch.Tensor  # [d, 2*inter]  fused gate_proj, up_proj
+    down: torch.Tensor  # [inter, d]
 
 
 class LlamaModel:
@@ -41,7 +45,7 @@ class LlamaModel:
         self.embed = embed  # [V, d]
         self.layers = layers
         self.final_norm = final_norm
-        self.lm_head = lm_head  # [V, d]; the same tensor as embed when tied
+        self.lm_head = lm_head  # [d, V] (transposed; a copy of embed.T when tied)
         c = config
         self.q_size = c.num_attention_heads * c.head_dim
         self.kv_size = c.num_key_value_heads * c.head_dim
@@ -56,20 +60,20 @@ class LlamaModel:
         if name in ("model.embed_tokens.weight",):
             return self.embed
         if name == "lm_head.weight":
-            return self.lm_head
+            return self.lm_head.t()
         if name == "model.norm.weight":
             return self.final_norm
         layer = self.layers[int(parts[2])]
         module = parts[4] if parts[3] in ("self_attn", "mlp") else parts[3]
         q, kv, i = self.q_size, self.kv_size, self.inter
-        views = {
-            "q_proj": lambda: layer.qkv[:q],
-            "k_proj": lambda: layer.qkv[q : q + kv],
-            "v_proj": lambda: layer.qkv[q + kv :],
-            "o_proj": lambda: layer.o,
-            "gate_proj": lambda: layer.gate_up[:i],
-            "up_proj": lambda: layer.gate_up[i:],
-            "down_proj": lambda: layer.down,
+        views = {  # [out, in] views, as in nn.Linear.weight
+            "q_proj": lambda: layer.qkv[:, :q].t(),
+            "k_proj": lambda: layer.qkv[:, q : q + kv].t(),
+            "v_proj": lambda: layer.qkv[:, q + kv :].t(),
+            "o_proj": lambda: layer.o.t(),
+            "gate_proj": lambda: layer.gate_up[:, :i].t(),
+            "up_proj": lambda: layer.gate_up[:, i:].t(),
+            "down_proj": lambda: layer.down.t(),
             "input_layernorm": lambda: layer.input_norm,
             "post_attention_layernorm": lambda: layer.post_norm,
         }
@@ -92,7 +96,7 @@ class LlamaModel:
         q_size, kv_size, eps = self.q_size, self.kv_size, c.rms_norm_eps
         for li, (w, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = rms_norm(h, w.input_norm, eps)
-            qkv = F.linear(x, w.qkv)  # [T, q + 2kv]
+            qkv = torch.mm(x, w.qkv)  # [T, q + 2kv]
             if lora is not None:
                 lora(li, "qkv", x, qkv)
             q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
@@ -102,19 +106,19 @@ class LlamaModel:
             k_cache.index_copy_(0, meta.slot_mapping, k)
             v_cache.index_copy_(0, meta.slot_mapping, v)
             a = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale).reshape(-1, q_size)
-            o = F.linear(a, w.o)  # [T, d]
+            o = torch.mm(a, w.o)  # [T, d]
             if lora is not None:
                 lora(li, "o", a, o)
             h = h + o
             x = rms_norm(h, w.post_norm, eps)
-            gu = F.linear(x, w.gate_up)  # [T, 2*inter]
+            gu = torch.mm(x, w.gate_up)  # [T, 2*inter]
             if lora is not None:
                 lora(li, "gate_up", x, gu)
             gate, up = gu.split((self.inter, self.inter), dim=-1)
             m = F.silu(gate) * up  # [T, inter]
-            d = F.linear(m, w.down)
+            d = torch.mm(m, w.down)
             if lora is not None:
                 lora(li, "down", m, d)
             h = h + d
         h = rms_norm(h[logits_rows], self.final_norm, eps)  # only rows that sample a token
-        return F.linear(h, self.lm_head)
+        return torch.mm(h, self.lm_head)
