@@ -32,7 +32,6 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape), torch.zeros(shape))
                           for _ in range(c.num_hidden_layers)]
         self.kv_bytes = 2 * c.num_hidden_layers * slots * c.num_key_value_heads * c.head_dim * 4
-        self._offsets = torch.arange(config.block_size)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -70,15 +69,16 @@ class ModelRunner:
                 dec_tables.append(req.block_table)
                 dec_lens.append(c + 1)
             else:
-                ctx = None if c == 0 else torch.tensor(self._slots(req.block_table, 0, c + n))
+                nb = -(-(c + n) // self.block_size)  # blocks holding its context
+                ctx = None if c == 0 else torch.tensor(req.block_table[:nb])
                 prefills.append(PrefillSeq(row, row + n, ctx, c + n))
             if c + n == req.num_tokens:
                 logits_rows.append(row + n - 1)
                 samplers.append(req)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping),
-            decode_rows=None, decode_slots=None, decode_mask=None,
-            decode_contiguous=False, prefills=prefills,
+            decode_rows=None, decode_blocks=None, decode_mask=None,
+            decode_contiguous=False, prefills=prefills, block_size=self.block_size,
         )
         if dec_rows:
             self._decode_metadata(meta, dec_rows, dec_tables, dec_lens)
@@ -102,11 +102,12 @@ class ModelRunner:
 
     def _decode_metadata(self, meta: AttentionMetadata, rows: list[int],
                          tables: list[list[int]], lens: list[int]) -> None:
-        max_blocks = max(len(t) for t in tables)
-        bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])  # [Bd, nb]
-        slots = (bt.unsqueeze(-1) * self.block_size + self._offsets).view(len(rows), -1)
-        lmax = max(lens)
-        meta.decode_slots = slots[:, :lmax]  # [Bd, L]
+        bs = self.block_size
+        max_blocks = -(-max(lens) // bs)
+        # [Bd, nb]: only the blocks that hold context (a table may own one more, empty block)
+        meta.decode_blocks = torch.tensor(
+            [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for t in tables])
+        lmax = max_blocks * bs
         lens_t = torch.tensor(lens).unsqueeze(1)
         meta.decode_mask = (torch.arange(lmax).unsqueeze(0) < lens_t).view(len(rows), 1, 1, lmax)
         meta.decode_rows = torch.tensor(rows)
