@@ -28,6 +28,8 @@ from loraserve.model.bundled import default_model_dir  # noqa: E402
 CONFIGS = {
     "A-prefetch": ["--max-loras-per-batch", "4", "--max-loras-prefetch", "4"],
     "B-lru": ["--max-loras-per-batch", "8"],
+    # Not equal memory (12 slots): prefetch on top of B, to see what prefetch adds by itself.
+    "C-lru+prefetch": ["--max-loras-per-batch", "8", "--max-loras-prefetch", "4"],
 }
 TRAFFIC = {
     "uniform": ["--adapter-dist", "uniform"],
@@ -45,15 +47,19 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=96)
     ap.add_argument("--output-len", type=int, default=24)
     ap.add_argument("--traffic", default=",".join(TRAFFIC))
+    ap.add_argument("--configs", default="A-prefetch,B-lru", help=f"of {','.join(CONFIGS)}")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="loraserve-prefetch-"))
     model_dir = default_model_dir()
     paths = make_synthetic_adapters(model_dir, work / "adapters", args.num_adapters,
                                     ranks=(8, 16, 32, 64))
     lora_args = ["--lora-paths", *[f"{p.name}={p}" for p in paths]]
+    configs = {c: CONFIGS[c] for c in args.configs.split(",")}
+    tag = "prefetch" if list(configs) == ["A-prefetch", "B-lru"] else "prefetch-" + "-vs-".join(
+        c.split("-")[0] for c in configs)  # e.g. prefetch-C-vs-B
     results: dict[str, dict] = {}
     for traffic in args.traffic.split(","):
-        for label, cfg in CONFIGS.items():
+        for label, cfg in configs.items():
             name = f"{label}/{traffic}"
             out = work / f"{label}-{traffic}.json"
             server_args = ["--max-loaded-loras", str(args.max_loaded_loras), "--max-lora-rank",
@@ -74,7 +80,7 @@ def main() -> None:
                   f"errors {s['errors']}", flush=True)
     table = {}
     for traffic in args.traffic.split(","):
-        a, b = (results[f"{c}/{traffic}"]["summary"] for c in CONFIGS)
+        a, b = (results[f"{c}/{traffic}"]["summary"] for c in list(configs)[:2])
         table[traffic] = {
             "A_ttft_p50_ms": a["ttft_ms"]["p50"], "A_ttft_p99_ms": a["ttft_ms"]["p99"],
             "B_ttft_p50_ms": b["ttft_ms"]["p50"], "B_ttft_p99_ms": b["ttft_ms"]["p99"],
@@ -83,9 +89,9 @@ def main() -> None:
             "throughput_change": a["output_throughput"] / b["output_throughput"] - 1,
         }
         plot_cdfs({k: v for k, v in results.items() if k.endswith("/" + traffic)},
-                  RESULTS / f"prefetch-{traffic}.png")
+                  RESULTS / f"{tag}-{traffic}.png")
     print(json.dumps(table, indent=2))
-    print("wrote", write_result("prefetch", {"args": vars(args), "table": table}))
+    print("wrote", write_result(tag, {"args": vars(args), "table": table}))
 
 
 if __name__ == "__main__":
