@@ -42,6 +42,32 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return torch.randint(100, vocab - 1, (n, length), generator=g).tolist()
 
 
+def time_ours(llm, prompts, out_len: int, loras=None) -> float:
+    """Seconds for loraserve to generate `out_len` greedy tokens for every prompt."""
+    from loraserve import SamplingParams
+
+    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, lora=loras)
+    dt = time.perf_counter() - t
+    assert all(len(o.token_ids) == out_len for o in outs)
+    return dt
+
+
+def time_hf(model, prompts, out_len: int, **generate_kw) -> float:
+    """Seconds for a transformers/PEFT model's greedy `generate()` on one padded batch
+    (prompts of equal length: no pad tokens), exactly `out_len` new tokens."""
+    ids = torch.tensor(prompts)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
+                             min_new_tokens=out_len, do_sample=False, pad_token_id=0,
+                             **generate_kw)
+    dt = time.perf_counter() - t
+    assert out.shape[1] == ids.shape[1] + out_len
+    return dt
+
+
 def write_result(name: str, data: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

@@ -19,33 +19,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import median, random_prompts, write_result  # noqa: E402
+from common import median, random_prompts, time_hf, time_ours, write_result  # noqa: E402
 
-from loraserve import LLM, SamplingParams  # noqa: E402
+from loraserve import LLM  # noqa: E402
 from loraserve.bench.make_adapters import make_synthetic_adapters  # noqa: E402
 from loraserve.model.bundled import default_model_dir  # noqa: E402
-
-
-def run_ours(llm: LLM, prompts, loras, out_len: int) -> float:
-    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params, lora=loras)
-    dt = time.perf_counter() - t
-    assert all(len(o.token_ids) == out_len for o in outs)
-    return dt
-
-
-def _hf_generate(model, ids: torch.Tensor, out_len: int, **kw) -> None:
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
-                             min_new_tokens=out_len, do_sample=False, pad_token_id=0, **kw)
-    assert out.shape[1] == ids.shape[1] + out_len
-
-
-def run_peft_mixed(peft_model, prompts, loras, out_len: int) -> float:
-    t = time.perf_counter()
-    _hf_generate(peft_model, torch.tensor(prompts), out_len, adapter_names=loras)
-    return time.perf_counter() - t
 
 
 def run_peft_sequential(peft_model, prompts, loras, out_len: int) -> float:
@@ -53,7 +31,7 @@ def run_peft_sequential(peft_model, prompts, loras, out_len: int) -> float:
     for name in dict.fromkeys(loras):
         batch = [p for p, n in zip(prompts, loras, strict=True) if n == name]
         peft_model.set_adapter(name)
-        _hf_generate(peft_model, torch.tensor(batch), out_len)
+        time_hf(peft_model, batch, out_len)
     return time.perf_counter() - t
 
 
@@ -86,13 +64,13 @@ def main() -> None:
     loras = [names[i % len(names)] for i in range(args.num_requests)]
     n_out = args.num_requests * args.output_len
 
-    run_ours(llm, prompts[:4], loras[:4], 4)  # warm-up
+    time_ours(llm, prompts[:4], 4, loras[:4])  # warm-up
     runs: dict[str, list[float]] = {"ours_multi": [], "ours_base": [], "peft_mixed": [],
                                     "peft_sequential": []}
     for i in range(args.reps):
-        runs["ours_multi"].append(run_ours(llm, prompts, loras, args.output_len))
-        runs["peft_mixed"].append(run_peft_mixed(peft, prompts, loras, args.output_len))
-        runs["ours_base"].append(run_ours(llm, prompts, None, args.output_len))
+        runs["ours_multi"].append(time_ours(llm, prompts, args.output_len, loras))
+        runs["peft_mixed"].append(time_hf(peft, prompts, args.output_len, adapter_names=loras))
+        runs["ours_base"].append(time_ours(llm, prompts, args.output_len))
         runs["peft_sequential"].append(run_peft_sequential(peft, prompts, loras,
                                                            args.output_len))
         print(f"rep {i}: " + "  ".join(f"{k} {v[-1]:.1f}s" for k, v in runs.items()),

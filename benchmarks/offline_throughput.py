@@ -16,30 +16,18 @@ import time
 import torch
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-from common import gemm_gflops, median, mem_read_gbs, random_prompts, write_result  # noqa: E402
+from common import (  # noqa: E402
+    gemm_gflops,
+    median,
+    mem_read_gbs,
+    random_prompts,
+    time_hf,
+    time_ours,
+    write_result,
+)
 
 from loraserve import LLM, SamplingParams  # noqa: E402
 from loraserve.model.bundled import default_model_dir  # noqa: E402
-
-
-def run_ours(llm: LLM, prompts, out_len: int) -> float:
-    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    dt = time.perf_counter() - t
-    assert all(len(o.token_ids) == out_len for o in outs)
-    return dt
-
-
-def run_hf(model, prompts, out_len: int) -> float:
-    ids = torch.tensor(prompts)  # equal lengths: the padded batch has no pad tokens
-    t = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
-                             min_new_tokens=out_len, do_sample=False, pad_token_id=0)
-    dt = time.perf_counter() - t
-    assert out.shape[1] == ids.shape[1] + out_len
-    return dt
 
 
 def decode_rate(llm: LLM, prompts, steps: int) -> float:
@@ -77,13 +65,13 @@ def main() -> None:
     n_out = args.num_prompts * args.output_len
     flops = 2 * cfg.num_params * args.num_prompts * (args.input_len + args.output_len)
 
-    run_ours(llm, prompts[:4], 4)  # warm-up both
-    run_hf(hf, prompts[:4], 4)
+    time_ours(llm, prompts[:4], 4)  # warm-up both
+    time_hf(hf, prompts[:4], 4)
     ours, theirs, gemm = [], [], []
     for i in range(args.reps):
         gemm.append(gemm_gflops())
-        ours.append(run_ours(llm, prompts, args.output_len))
-        theirs.append(run_hf(hf, prompts, args.output_len))
+        ours.append(time_ours(llm, prompts, args.output_len))
+        theirs.append(time_hf(hf, prompts, args.output_len))
         print(f"rep {i}: loraserve {ours[-1]:.2f}s  transformers {theirs[-1]:.2f}s  "
               f"gemm {gemm[-1]:.0f} GFLOP/s", flush=True)
     b1 = [decode_rate(llm, prompts[:1], 48) for _ in range(3)]
