@@ -77,3 +77,21 @@ def assert_idle(eng) -> None:
     assert not eng.has_work and not eng.requests
     assert eng.kv.pool.num_free == eng.kv.pool.num_blocks, "KV blocks leaked"
     assert all(e.refcount == 0 for e in eng.adapters.entries.values()), "refcount leaked"
+
+
+# Prompts shared by the lifecycle and slot tests (token ids of the tiny model's vocabulary).
+P1, P2, P3, P4 = [5, 77, 301, 12, 9], [400, 23, 8, 150, 66, 42, 7, 310, 99], [260], [31, 17, 480]
+
+
+def gen(llm, prompts, loras, n: int = 6) -> list[list[int]]:
+    """Greedy token ids of an offline `generate`; fails if any request errored."""
+    outs = llm.generate(prompts, greedy(n), lora=loras)
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    return [o.token_ids for o in outs]
+
+
+def entry(llm, name: str):
+    """The AdapterStore entry registered under `name`."""
+    store = llm.engine.adapters
+    return store.entries[store.names[name]]
+

@@ -11,7 +11,18 @@ import shutil
 
 import pytest
 from adapter_factory import edit_tensors, make_peft_adapter, truncate_weights
-from lora_reference import assert_idle, greedy, make_adapters, run_until_done
+from lora_reference import (
+    P1,
+    P2,
+    P3,
+    P4,
+    assert_idle,
+    entry,
+    gen,
+    greedy,
+    make_adapters,
+    run_until_done,
+)
 from lora_reference import peft_greedy as ref
 
 from loraserve import LLM
@@ -22,28 +33,14 @@ from loraserve.types import (
     LoraServeError,
 )
 
-P1, P2, P3, P4 = [5, 77, 301, 12, 9], [400, 23, 8, 150, 66, 42, 7, 310, 99], [260], [31, 17, 480]
-
-
 
 @pytest.fixture(scope="module")
 def ads(tiny_model_dir, tmp_path_factory):
     return make_adapters(tiny_model_dir, tmp_path_factory.mktemp("lifecycle"))
 
 
-def gen(llm: LLM, prompts, loras, n: int = 6) -> list[list[int]]:
-    outs = llm.generate(prompts, greedy(n), lora=loras)
-    assert all(o.error is None for o in outs), [o.error for o in outs]
-    return [o.token_ids for o in outs]
-
-
 def tiers(llm: LLM) -> dict[str, str]:
     return {e.name: e.tier for e in llm.engine.adapters.registered()}
-
-
-def entry(llm: LLM, name: str):
-    store = llm.engine.adapters
-    return store.entries[store.names[name]]
 
 
 # --- host tier: LRU, pinning, implicit reload ----------------------------------------------
