@@ -141,6 +141,12 @@ def test_tiny_batch_equals_hf(tiny_model_dir, name):
     check_against_hf(tiny_model_dir, CONFIGS[name], name)
 
 
+def test_tiny_batch_equals_hf_on_plain_mkl_gemm(tiny_model_dir, monkeypatch):
+    # The fallback GEMM path (no oneDNN packing) gives the same greedy tokens.
+    monkeypatch.setenv("LORASERVE_GEMM", "mkl")
+    check_against_hf(tiny_model_dir, CONFIGS["chunked"], "chunked")
+
+
 @pytest.mark.parametrize("name", ["default", "preempt"])
 def test_tiny_tied_batch_equals_hf(tiny_tied_model_dir, name):
     check_against_hf(tiny_tied_model_dir, CONFIGS[name], name)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from loraserve.config import ModelConfig
 from loraserve.model.attention import AttentionMetadata, paged_attention
 from loraserve.model.layers import RotaryEmbedding, apply_rope, rms_norm
+from loraserve.model.linear import Linear
 
 
 class LoraHook(Protocol):
@@ -26,26 +27,24 @@ class LoraHook(Protocol):
 
 @dataclass
 class LayerWeights:
-    """Linear weights are stored transposed, [d_in, d_out], and applied as `x @ w`: on this
-    CPU the resulting NN GEMM streams weights ~25% faster at small batch than `F.linear`'s
-    NT form (benchmarks/offline_throughput.py; the decode step is weight-bandwidth bound)."""
+    """Projections are `Linear`s (packed for the fastest GEMM, see linear.py)."""
 
     input_norm: torch.Tensor  # [d]
-    qkv: torch.Tensor  # [d, q + 2*kv]   fused q_proj, k_proj, v_proj
-    o: torch.Tensor  # [q, d]
+    qkv: Linear  # d -> q + 2*kv   fused q_proj, k_proj, v_proj
+    o: Linear  # q -> d
     post_norm: torch.Tensor  # [d]
-    gate_up: torch.Tensor  # [d, 2*inter]  fused gate_proj, up_proj
-    down: torch.Tensor  # [inter, d]
+    gate_up: Linear  # d -> 2*inter  fused gate_proj, up_proj
+    down: Linear  # inter -> d
 
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
-                 final_norm: torch.Tensor, lm_head: torch.Tensor):
+                 final_norm: torch.Tensor, lm_head: Linear):
         self.config = config
         self.embed = embed  # [V, d]
         self.layers = layers
         self.final_norm = final_norm
-        self.lm_head = lm_head  # [d, V] (transposed; a copy of embed.T when tied)
+        self.lm_head = lm_head  # d -> V (its own packed copy of embed when tied)
         c = config
         self.q_size = c.num_attention_heads * c.head_dim
         self.kv_size = c.num_key_value_heads * c.head_dim
@@ -53,27 +52,28 @@ class LlamaModel:
         self.scale = c.head_dim**-0.5
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta)
 
-    # --- HF names stay reachable: views into the fused weights -------------------------------
+    # --- HF names stay reachable: slices of the fused weights --------------------------------
     def hf_weight(self, name: str) -> torch.Tensor:
-        """`model.layers.3.self_attn.k_proj.weight` -> the matching view of a fused tensor."""
+        """`model.layers.3.self_attn.k_proj.weight` -> that slice of a fused weight (a copy
+        for packed projections)."""
         parts = name.split(".")
         if name in ("model.embed_tokens.weight",):
             return self.embed
         if name == "lm_head.weight":
-            return self.lm_head.t()
+            return self.lm_head.weight
         if name == "model.norm.weight":
             return self.final_norm
         layer = self.layers[int(parts[2])]
         module = parts[4] if parts[3] in ("self_attn", "mlp") else parts[3]
         q, kv, i = self.q_size, self.kv_size, self.inter
-        views = {  # [out, in] views, as in nn.Linear.weight
-            "q_proj": lambda: layer.qkv[:, :q].t(),
-            "k_proj": lambda: layer.qkv[:, q : q + kv].t(),
-            "v_proj": lambda: layer.qkv[:, q + kv :].t(),
-            "o_proj": lambda: layer.o.t(),
-            "gate_proj": lambda: layer.gate_up[:, :i].t(),
-            "up_proj": lambda: layer.gate_up[:, i:].t(),
-            "down_proj": lambda: layer.down.t(),
+        views = {  # [out, in], as in nn.Linear.weight
+            "q_proj": lambda: layer.qkv.weight[:q],
+            "k_proj": lambda: layer.qkv.weight[q : q + kv],
+            "v_proj": lambda: layer.qkv.weight[q + kv :],
+            "o_proj": lambda: layer.o.weight,
+            "gate_proj": lambda: layer.gate_up.weight[:i],
+            "up_proj": lambda: layer.gate_up.weight[i:],
+            "down_proj": lambda: layer.down.weight,
             "input_layernorm": lambda: layer.input_norm,
             "post_attention_layernorm": lambda: layer.post_norm,
         }
@@ -96,7 +96,7 @@ class LlamaModel:
         q_size, kv_size, eps = self.q_size, self.kv_size, c.rms_norm_eps
         for li, (w, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = rms_norm(h, w.input_norm, eps)
-            qkv = torch.mm(x, w.qkv)  # [T, q + 2kv]
+            qkv = w.qkv(x)  # [T, q + 2kv]
             if lora is not None:
                 lora(li, "qkv", x, qkv)
             # Rotate q and k in one go: [T, nh + kvh, hd] (half the small ops per layer).
@@ -106,19 +106,19 @@ class LlamaModel:
             k_cache.index_copy_(0, meta.slot_mapping, k)
             v_cache.index_copy_(0, meta.slot_mapping, v)
             a = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale).reshape(-1, q_size)
-            o = torch.mm(a, w.o)  # [T, d]
+            o = w.o(a)  # [T, d]
             if lora is not None:
                 lora(li, "o", a, o)
             h = h + o
             x = rms_norm(h, w.post_norm, eps)
-            gu = torch.mm(x, w.gate_up)  # [T, 2*inter]
+            gu = w.gate_up(x)  # [T, 2*inter]
             if lora is not None:
                 lora(li, "gate_up", x, gu)
             gate, up = gu.split((self.inter, self.inter), dim=-1)
             m = F.silu(gate) * up  # [T, inter]
-            d = torch.mm(m, w.down)
+            d = w.down(m)
             if lora is not None:
                 lora(li, "down", m, d)
             h = h + d
         h = rms_norm(h[logits_rows], self.final_norm, eps)  # only rows that sample a token
-        return torch.mm(h, self.lm_head)
+        return self.lm_head(h)

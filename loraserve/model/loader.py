@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from loraserve.config import ModelConfig
+from loraserve.model.linear import Linear
 from loraserve.model.llama import LayerWeights, LlamaModel
 
 
@@ -50,21 +51,21 @@ def load_model(path: str | Path) -> LlamaModel:
         qkv = torch.cat([take(a + f"{n}.weight") for n in ("q_proj", "k_proj", "v_proj")])
         gate_up = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
         layers.append(
-            LayerWeights(  # linear weights transposed to [d_in, d_out] (see LayerWeights)
+            LayerWeights(
                 input_norm=take(p + "input_layernorm.weight").contiguous(),
-                qkv=qkv.t().contiguous(),
-                o=take(a + "o_proj.weight").t().contiguous(),
+                qkv=Linear(qkv),
+                o=Linear(take(a + "o_proj.weight")),
                 post_norm=take(p + "post_attention_layernorm.weight").contiguous(),
-                gate_up=gate_up.t().contiguous(),
-                down=take(m + "down_proj.weight").t().contiguous(),
+                gate_up=Linear(gate_up),
+                down=Linear(take(m + "down_proj.weight")),
             )
         )
     embed = take("model.embed_tokens.weight").contiguous()
     if config.tie_word_embeddings or "lm_head.weight" not in sd:
-        lm_head = embed.t().contiguous()  # its own copy: embedding rows vs GEMM columns
+        lm_head = Linear(embed)  # its own packed copy: embedding rows vs GEMM layout
         sd.pop("lm_head.weight", None)
     else:
-        lm_head = take("lm_head.weight").t().contiguous()
+        lm_head = Linear(take("lm_head.weight"))
     final_norm = take("model.norm.weight").contiguous()
     leftovers = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
     if leftovers:
