@@ -2,12 +2,12 @@
 
 B decode tokens spread evenly over N adapters (ranks spaced 8..64, all 7 modules), 4 groups x
 30 layers of LoRA ops per step. Variants, timed as medians of interleaved runs:
-  segments/auto|fused|split  lora.ops.apply_lora with each expand policy of the slot pool
-  gather-bmm                 per-token gather of A/B from the pool (copies), then two bmm
-  seg-view-bmm               one bmm pair over equal segments on pool *views*; only possible
-                             when the batch's slots are a contiguous range, padded to the
-                             batch's max rank: an upper bound for the bmm idea, not a kernel
-  base linears / lm_head     the base model's matmuls of the same step, for scale
+  c-kernel        lora.ops.apply_lora on the C kernel (lora/sgmv_cpu.c): the engine's path
+                  for segments of up to 16 tokens
+  torch-segments  lora.ops.apply_lora on the torch path: one shrink and one expand matmul
+                  per segment and module, on views of the slot pool (Punica-style)
+  gather-bmm      per-token gather of A (copies), then bmm: the naive batched form
+  base linears / lm_head   the base model's matmuls of the same step (oneDNN), for scale
 
     .venv/bin/python benchmarks/lora_op_micro.py [--tokens 64 --adapters 16 --reps 5]
 """
@@ -19,14 +19,15 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 from loraserve.adapters.format import LoraAdapterWeights, LoraModuleWeights
 from loraserve.adapters.slot_pool import LoraSlotPool
 from loraserve.config import LORA_MODULES, ModelConfig
+from loraserve.lora import sgmv_cpu
 from loraserve.lora.batch import LoraBatch
 from loraserve.lora.layout import GROUP_NAMES
 from loraserve.lora.ops import apply_lora
+from loraserve.model.linear import Linear
 
 SMOLLM2 = ModelConfig(
     vocab_size=49152,
@@ -54,25 +55,14 @@ def synthetic_adapter(cfg: ModelConfig, rank: int, seed: int) -> LoraAdapterWeig
     return LoraAdapterWeights(f"synthetic-{seed}", rank, frozenset(LORA_MODULES), layers, 0, "")
 
 
-def gather_bmm(pool, xs, ys, token_slots, batch) -> None:
+def gather_bmm_shrink(pool, xs, token_slots, batch) -> None:
+    # Only the shrink half: already slower than the whole c-kernel op.
     idx = torch.tensor(token_slots)
     for layer in range(pool.model_config.num_hidden_layers):
         for g in GROUP_NAMES:
             r = max(ranks[g] for ranks in batch.ranks.values())
             A_tok = pool.A[layer][g][idx, :r]  # A_tok: [T, r, d_in] (a copy)
-            B_tok = pool.B[layer][g][idx, :r]  # B_tok: [T, r, d_out] (a copy)
-            t = torch.bmm(xs[g].unsqueeze(1), A_tok.transpose(1, 2))  # t: [T, 1, r]
-            ys[g].unsqueeze(1).baddbmm_(t, B_tok)
-
-
-def seg_view_bmm(pool, xs, ys, n_seg, batch) -> None:
-    for layer in range(pool.model_config.num_hidden_layers):
-        for g in GROUP_NAMES:
-            r = max(ranks[g] for ranks in batch.ranks.values())
-            x = xs[g].view(n_seg, -1, xs[g].shape[1])  # x: [N, n, d_in]
-            y = ys[g].view(n_seg, -1, ys[g].shape[1])
-            t = torch.bmm(x, pool.A[layer][g][:n_seg, :r].transpose(1, 2))  # t: [N, n, r]
-            y.baddbmm_(t, pool.B[layer][g][:n_seg, :r])
+            torch.bmm(xs[g].unsqueeze(1), A_tok.transpose(1, 2))  # [T, 1, r]
 
 
 def main() -> None:
@@ -83,7 +73,6 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--min-rank", type=int, default=8)
     ap.add_argument("--max-rank", type=int, default=64)
-    ap.add_argument("--no-gather", action="store_true", help="skip the (slow) gather-bmm form")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -96,37 +85,36 @@ def main() -> None:
     for s, r in enumerate(ranks):
         pool.write(s, synthetic_adapter(cfg, r, s))
     seqs = [(s, 1) for s in range(N) for _ in range(T // N)]  # one token per decoding sequence
-    batches = {}
-    for policy in ("auto", "fused", "split"):
-        pool.set_expand(policy)
-        batches[policy] = LoraBatch.build(seqs, pool)
-    batch = batches["auto"]
+    kernel = sgmv_cpu.load()
+    if kernel is None:
+        raise SystemExit("the C LoRA kernel could not be built (see the warning above)")
+    batches = {"c-kernel": LoraBatch.build(seqs, pool, kernel_max_tokens=T),
+               "torch-segments": LoraBatch.build(seqs, pool)}
+    batch = batches["torch-segments"]
     token_slots = batch.token_slots()
     lays = pool.layouts
     xs = {g: torch.randn(T, lay.d_in) for g, lay in lays.items()}  # x: [T, d_in]
     ys = {g: torch.zeros(T, lay.d_out) for g, lay in lays.items()}  # y: [T, d_out_g]
     W = [
-        {g: torch.randn(lay.d_out, lay.d_in) * 0.02 for g, lay in lays.items()}
+        {g: Linear(torch.randn(lay.d_out, lay.d_in) * 0.02) for g, lay in lays.items()}
         for _ in range(cfg.num_hidden_layers)
     ]
-    lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02
+    lm_head = Linear(torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02)
 
     def segments(policy):
         b = batches[policy]
         return lambda: [
-            apply_lora(xs[g], ys[g], pool.A[layer][g], pool.B[layer][g], b, g)
+            apply_lora(xs[g], ys[g], pool.A[layer][g], pool.B[layer][g], b, g, kernel)
             for layer in range(cfg.num_hidden_layers)
             for g in GROUP_NAMES
         ]
 
-    variants = {f"segments/{p}": segments(p) for p in ("auto", "fused", "split")}
-    if not args.no_gather:
-        variants["gather-bmm"] = lambda: gather_bmm(pool, xs, ys, token_slots, batch)
-    variants["seg-view-bmm"] = lambda: seg_view_bmm(pool, xs, ys, N, batch)
+    variants = {name: segments(name) for name in batches}
+    variants["gather-bmm shrink"] = lambda: gather_bmm_shrink(pool, xs, token_slots, batch)
     variants["base linears"] = lambda: [
-        F.linear(xs[g], W[layer][g]) for layer in range(cfg.num_hidden_layers) for g in GROUP_NAMES
+        W[layer][g](xs[g]) for layer in range(cfg.num_hidden_layers) for g in GROUP_NAMES
     ]
-    variants["lm_head"] = lambda: F.linear(xs["o"], lm_head)
+    variants["lm_head"] = lambda: lm_head(xs["o"])
     times: dict[str, list[float]] = {k: [] for k in variants}
     for f in variants.values():
         f()  # warm-up
@@ -143,9 +131,10 @@ def main() -> None:
     )
     print(f"LoRA weights the batch needs: {lora_mib:.0f} MiB; pool: {pool.nbytes / 2**20:.0f} MiB")
     for name, ts in times.items():
+        med = statistics.median(ts)
         print(
-            f"  {name:16s} median {statistics.median(ts) * 1e3:8.1f} ms/step   "
-            f"min {min(ts) * 1e3:8.1f}"
+            f"  {name:16s} median {med * 1e3:8.1f} ms/step   min {min(ts) * 1e3:8.1f}"
+            f"   ({lora_mib * 2**20 / med / 1e9:5.1f} GB/s of LoRA weights)"
         )
 
 

@@ -35,10 +35,10 @@ def ads(tiny_model_dir, tmp_path_factory):
 
 def test_reassigned_slot_is_fully_overwritten(tiny_model_dir, ads):
     # x targets all seven modules at rank 4; y only q_proj at rank 16, so y's packed qkv rank
-    # rows [0, 16) cover x's k/v blocks: any leftover of x would leak into y's output.
+    # rows [0, 16) of A, and its [16, q_out] block of B, cover where x's q/k/v weights were:
+    # any leftover of x would leak into y's output.
     llm = LLM(str(tiny_model_dir), max_loras_per_batch=1,
               lora_paths={"x": ads["x"], "y": ads["y"]})
-    llm.engine.slot_pool.set_expand("fused")  # read y's whole packed block, k/v columns too
     assert gen(llm, [P1], ["x"]) == [ref(tiny_model_dir, ads["x"], P1, 6)]
     slot = entry(llm, "x").slot
     assert gen(llm, [P1, P2], ["y", "y"]) == [ref(tiny_model_dir, ads["y"], p, 6)
@@ -50,8 +50,7 @@ def test_reassigned_slot_is_fully_overwritten(tiny_model_dir, ads):
         for g in ("o", "gate_up", "down"):
             assert not pool.A[layer][g][slot].any() and not pool.B[layer][g][slot].any()
         assert not pool.A[layer]["qkv"][slot, 16:].any()
-        assert not pool.B[layer]["qkv"][slot, 16:].any()
-        assert not pool.B[layer]["qkv"][slot, :, q_out:].any()  # k and v columns
+        assert not pool.B[layer]["qkv"][slot, 16 * q_out :].any()  # past y's q block
     assert gen(llm, [P1], ["x"]) == [ref(tiny_model_dir, ads["x"], P1, 6)]  # and back again
 
 

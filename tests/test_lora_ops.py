@@ -1,38 +1,24 @@
-"""The segmented LoRA op against the per-token reference, and the slot pool's invariants."""
+"""The segmented LoRA op (torch path and C kernel) against the per-token reference, and the
+slot pool's invariants."""
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import pytest
 import torch
 
+from loraserve.adapters.format import LoraAdapterWeights, LoraModuleWeights
 from loraserve.adapters.slot_pool import LoraSlotPool
 from loraserve.config import LORA_MODULES, ModelConfig
+from loraserve.lora import sgmv_cpu
 from loraserve.lora.batch import LoraBatch
 from loraserve.lora.layout import GROUPS, MODULE_TO_GROUP, group_layouts
 from loraserve.lora.ops import apply_lora, lora_reference
 
-try:
-    from loraserve.adapters.format import LoraAdapterWeights, LoraModuleWeights
-except ImportError:  # written concurrently elsewhere; same fields
-
-    @dataclass(frozen=True)
-    class LoraModuleWeights:  # type: ignore[no-redef]
-        A: torch.Tensor
-        B: torch.Tensor
-        rank: int
-        scale: float
-
-    @dataclass(frozen=True)
-    class LoraAdapterWeights:  # type: ignore[no-redef]
-        path: str
-        rank: int
-        target_modules: frozenset[str]
-        layers: tuple[dict[str, LoraModuleWeights], ...]
-        nbytes: int
-        fingerprint: str
+KERNEL = sgmv_cpu.load()
+# Which segments go to the C kernel: none (torch path), all, or the engine's split by length.
+PATHS = {"torch": 0, "kernel": 10**6, "mixed": 5}
 
 
 CFG = ModelConfig(
@@ -80,16 +66,17 @@ ADAPTERS = [
 ]
 
 
-def full_pool(expand: str = "auto") -> LoraSlotPool:
-    pool = LoraSlotPool(CFG, len(ADAPTERS), MAX_RANK, expand=expand)
+def full_pool() -> LoraSlotPool:
+    pool = LoraSlotPool(CFG, len(ADAPTERS), MAX_RANK)
     for s, w in enumerate(ADAPTERS):
         pool.write(s, w)
     return pool
 
 
-def check_all_groups(pool: LoraSlotPool, seqs, slot_weights, seed: int = 0) -> None:
+def check_all_groups(pool: LoraSlotPool, seqs, slot_weights, seed: int = 0,
+                     path: str = "torch") -> None:
     """apply_lora == lora_reference for every layer and group of a batch of sequences."""
-    batch = LoraBatch.build(seqs, pool)
+    batch = LoraBatch.build(seqs, pool, PATHS[path])
     token_slots = batch.token_slots()
     g = torch.Generator().manual_seed(seed)
     for layer in range(CFG.num_hidden_layers):
@@ -98,14 +85,21 @@ def check_all_groups(pool: LoraSlotPool, seqs, slot_weights, seed: int = 0) -> N
             x = torch.randn(batch.num_tokens, lay.d_in, generator=g)  # x: [T, d_in]
             y = torch.randn(batch.num_tokens, lay.d_out, generator=g)  # y: [T, d_out_g]
             want = lora_reference(x, y.clone(), mods, lay)
-            got = apply_lora(x, y.clone(), pool.A[layer][name], pool.B[layer][name], batch, name)
+            got = apply_lora(x, y.clone(), pool.A[layer][name], pool.B[layer][name], batch, name,
+                             KERNEL)
             torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
 
 
-@pytest.mark.parametrize("expand", ["auto", "fused", "split"])
+def test_c_kernel_builds_here():
+    # The engine falls back to the torch path without a C compiler; these machines have one,
+    # so a build failure here is a bug, not an environment to tolerate.
+    assert KERNEL is not None
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("seed", range(4))
-def test_fast_op_matches_reference_on_mixed_batches(expand, seed):
-    pool = full_pool(expand)
+def test_fast_op_matches_reference_on_mixed_batches(path, seed):
+    pool = full_pool()
     rng = random.Random(seed)
     seqs = []
     for s in rng.sample(range(len(ADAPTERS)), len(ADAPTERS)):
@@ -113,10 +107,11 @@ def test_fast_op_matches_reference_on_mixed_batches(expand, seed):
         if rng.random() < 0.5:
             seqs.append((None, rng.choice([1, 5])))  # base tokens as their own segments
     seqs.append((3, 2))  # slot 3 again, not adjacent to its first run
-    check_all_groups(pool, seqs, ADAPTERS, seed)
+    check_all_groups(pool, seqs, ADAPTERS, seed, path)
 
 
-def test_reused_slot_is_fully_overwritten():
+@pytest.mark.parametrize("path", list(PATHS))
+def test_reused_slot_is_fully_overwritten(path):
     pool = LoraSlotPool(CFG, 2, MAX_RANK)
     pool.write(0, make_adapter(10, 32, LORA_MODULES))
     only_q = make_adapter(11, 8, ("q_proj",))
@@ -129,21 +124,23 @@ def test_reused_slot_is_fully_overwritten():
             assert torch.equal(pool.B[layer][name], fresh.B[layer][name])
     assert {g: pool.rank(0, g) for g in GROUPS} == {"qkv": 8, "o": 0, "gate_up": 0, "down": 0}
     # the op: k/v columns of qkv and all other groups get exactly zero delta
-    batch = LoraBatch.build([(0, 5)], pool)
+    batch = LoraBatch.build([(0, 5)], pool, PATHS[path])
     q = CFG.num_attention_heads * CFG.head_dim
     for layer in range(CFG.num_hidden_layers):
         for name, lay in pool.layouts.items():
             x, y = torch.randn(5, lay.d_in), torch.randn(5, lay.d_out)
-            out = apply_lora(x, y.clone(), pool.A[layer][name], pool.B[layer][name], batch, name)
+            out = apply_lora(x, y.clone(), pool.A[layer][name], pool.B[layer][name], batch, name,
+                             KERNEL)
             keep = slice(q, None) if name == "qkv" else slice(None)
             assert torch.equal(out[:, keep], y[:, keep]), (layer, name)
-    check_all_groups(pool, [(0, 3), (None, 2), (0, 1)], [only_q])
+    check_all_groups(pool, [(0, 3), (None, 2), (0, 1)], [only_q], path=path)
 
 
 def test_base_only_batch_leaves_y_unchanged():
     pool = full_pool()
-    batch = LoraBatch.build([(None, 4), (-1, 3), (None, 1)], pool)
+    batch = LoraBatch.build([(None, 4), (-1, 3), (None, 1)], pool, PATHS["kernel"])
     assert batch.is_empty and batch.num_tokens == 8 and not batch.plans
+    assert not batch.kernel_plans
     x, y = torch.randn(8, CFG.hidden_size), torch.randn(8, 160)
     before = y.clone()
     assert apply_lora(x, y, pool.A[0]["qkv"], pool.B[0]["qkv"], batch, "qkv") is y
@@ -151,6 +148,7 @@ def test_base_only_batch_leaves_y_unchanged():
     # an adapter targeting only q_proj makes no plan for the other groups: no work there
     only_q = LoraBatch.build([(2, 4), (None, 4)], pool)
     assert set(only_q.plans) == {"qkv"}
+    assert set(LoraBatch.build([(2, 4), (None, 4)], pool, 8).kernel_plans) == {"qkv"}
 
 
 def test_per_module_delta_equals_scaled_BA():
@@ -196,30 +194,25 @@ def test_cost_follows_packed_rank_not_max_rank():
             view = pool.A[0][g][a_idx]
             assert view.shape[0] == batch.ranks[slot][g]
             assert view.data_ptr() == pool.A[0][g][slot].data_ptr()  # a view, not a copy
-            for _, _, b_idx in parts:
-                assert pool.B[0][g][b_idx].shape[0] <= batch.ranks[slot][g]
+            for _, _, b_idx, (rows, cols) in parts:
+                assert rows <= batch.ranks[slot][g]
+                assert pool.B[0][g][b_idx].numel() == rows * cols  # exactly the module's block
 
 
-def test_auto_expand_splits_where_zero_blocks_cost_more_than_calls():
-    smol = ModelConfig(
-        vocab_size=32,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=1,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-    )  # SmolLM2-135M layer shapes
-    pool = LoraSlotPool(smol, 3, MAX_RANK)
-    pool.write(0, make_adapter(30, 8, LORA_MODULES, cfg=smol))
-    pool.write(1, make_adapter(31, 64, LORA_MODULES, cfg=smol))
-    pool.write(2, make_adapter(32, 8, ("q_proj",), cfg=smol))
-    assert pool.parts(0, "gate_up", 1) == ((0, 16, 0, 3072),)  # decode, small rank: fused
-    assert pool.parts(0, "gate_up", 64) == ((0, 8, 0, 1536), (8, 16, 1536, 3072))  # prefill
-    assert len(pool.parts(1, "qkv", 1)) == 3 and len(pool.parts(1, "gate_up", 1)) == 2
-    assert pool.parts(2, "qkv", 1) == ((0, 8, 0, 576),)  # one module: never the k/v zeros
-    assert pool.parts(0, "down", 1000) == ((0, 8, 0, 576),)
-    assert pool.parts(2, "o", 1) == ()
+def test_parts_are_contiguous_module_blocks():
+    pool = LoraSlotPool(CFG, 3, MAX_RANK)
+    pool.write(0, make_adapter(30, 8, LORA_MODULES))
+    pool.write(1, make_adapter(32, 8, ("q_proj", "v_proj")))
+    inter, q = CFG.intermediate_size, CFG.num_attention_heads * CFG.head_dim
+    kv = CFG.num_key_value_heads * CFG.head_dim
+    # (rank rows o0:o1 of t, output columns c0:c1, offset of the [rows, cols] block in B)
+    assert pool.parts(0, "gate_up") == ((0, 8, 0, inter, 0), (8, 16, inter, 2 * inter, 8 * inter))
+    assert pool.parts(1, "qkv") == ((0, 8, 0, q, 0), (8, 16, q + kv, q + 2 * kv, 8 * q))
+    assert pool.parts(1, "o") == () and pool.parts(2, "qkv") == ()
+    # Nothing past the adapter's blocks is written: B holds just its weights, then zeros.
+    for layer in range(CFG.num_hidden_layers):
+        assert not pool.B[layer]["qkv"][1, 8 * q + 8 * kv :].any()
+        assert pool.B[layer]["qkv"][1, : 8 * q + 8 * kv].any()
 
 
 def test_batch_merges_adjacent_runs():
@@ -256,5 +249,5 @@ def test_clear_and_nbytes():
     assert LoraBatch.build([(1, 3)], pool).plans == {}
     assert all(not t[1].any() for d in pool.A + pool.B for t in d.values())
     lays = group_layouts(CFG)
-    per_rank = sum(len(lay.modules) * (lay.d_in + lay.d_out) for lay in lays.values())
+    per_rank = sum(len(lay.modules) * lay.d_in + lay.d_out for lay in lays.values())
     assert pool.nbytes == len(ADAPTERS) * CFG.num_hidden_layers * MAX_RANK * 4 * per_rank

@@ -149,6 +149,16 @@ def test_tiny_mixed_batch_equals_peft(tiny_model_dir, tiny_setup, name):
         assert sum(e.stats.loads for e in entries) > len(ADAPTERS), "no implicit reload"
 
 
+def test_tiny_mixed_batch_equals_peft_on_torch_lora_path(tiny_model_dir, tiny_setup,
+                                                         monkeypatch):
+    # Without the C kernel (no compiler, or LORASERVE_LORA_KERNEL=torch) every segment takes
+    # the torch path, decodes included: same tokens.
+    monkeypatch.setenv("LORASERVE_LORA_KERNEL", "torch")
+    prompts, paths, refs = tiny_setup
+    outs, _, _ = run_mixed(tiny_model_dir, paths, prompts, MAX_TOKENS)
+    assert {key: out.token_ids for key, out in outs.items()} == refs
+
+
 # --- bundled SmolLM2-135M-Instruct ---------------------------------------------------------
 
 BUNDLED_TEXTS = {

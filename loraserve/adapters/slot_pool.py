@@ -1,22 +1,23 @@
 """Preallocated compute-memory slots holding packed LoRA weights, one adapter per slot.
 
 Layout, per layer and module group g (see lora/layout.py):
-    A[layer][g]: [S, R_g, d_in]     shrink weights, rank-major
-    B[layer][g]: [S, R_g, d_out_g]  expand weights stored transposed (B_m.T), already scaled
-with R_g = len(modules of g) * max_lora_rank. An adapter's modules of a group are packed along
-the rank axis: module m takes rank rows [off_m, off_m + r_m) of A, and the block
-B[s, off_m:off_m + r_m, col_m:col_m + d_out_m] of B (block diagonal), so that
-    y_g += (x @ A[s, :r].T) @ B[s, :r]
-adds exactly every module's delta. B is kept rank-major because B[s, :r] and every module
-block then have contiguous rows, which small-M BLAS calls read fastest on this CPU.
+    A[layer][g]: [S, R_g, d_in]                   shrink weights, rank-major
+    B[layer][g]: [S, max_lora_rank * d_out_g]     expand weights, one dense block per module
+with R_g = len(modules of g) * max_lora_rank. An adapter's modules of a group are packed:
+module m takes rank rows [o_m, o_m + r_m) of A, and a contiguous block of B at offset
+boff_m holding B_m.T (already scaled), [r_m, d_out_m] row-major. So for every module
+    y_g[:, cols_m] += (x @ A[s, :r].T)[:, o_m:o_m + r_m] @ B_block_m
+adds exactly its delta, and the expand reads only the adapter's own weights, each block in one
+contiguous stream (the block-diagonal dense B it replaces was read in short strided runs:
+2-3x slower in the C kernel, and n_g times the memory).
 
 Ranks differing across layers (PEFT rank_pattern / layers_to_transform): module m gets
 r_m = its max rank over layers, in every layer; rows beyond a layer's own rank stay zero.
 So offsets and the packed rank are per (slot, group), not per layer, and the batch metadata
 needs no per-layer data; the cost is a few zero rows on the layers with smaller ranks.
 
-Memory: nbytes = S * L * max_lora_rank * itemsize * sum_g n_g * (d_in_g + d_out_g)
-(n_g = modules in group g); for SmolLM2-135M at max rank 64, fp32: 111 MiB per slot.
+Memory: nbytes = S * L * max_lora_rank * itemsize * sum_g (n_g * d_in_g + d_out_g)
+(n_g = modules in group g); for SmolLM2-135M at max rank 64, fp32: 57 MiB per slot.
 """
 
 from __future__ import annotations
@@ -31,16 +32,6 @@ from loraserve.lora.layout import GROUP_NAMES, MODULE_TO_GROUP, GroupLayout, Par
 if TYPE_CHECKING:
     from loraserve.adapters.format import LoraAdapterWeights
 
-# Expand policy "auto": splitting a group's expand into per-module matmuls skips the zero
-# blocks of B but costs one more BLAS call per module. Measured on 2 AVX-512 cores (decode,
-# 4 tokens/segment): fused wins at rank 8, split at rank >= 16 for gate_up; a small-M call
-# costs about as much as streaming this many weight bytes.
-SPLIT_MIN_SAVED_BYTES = 128 * 1024
-# Above ~12 tokens a segment's matmuls turn compute-bound: the zero blocks then waste FLOPs
-# in proportion to the token count, so they count for that much more.
-SPLIT_COMPUTE_BOUND_TOKENS = 12
-
-
 class LoraSlotPool:
     """num_slots adapter slots in compute memory. Invariant: every weight outside the packed
     blocks of the slot's current adapter is exactly zero (a reused slot is fully overwritten),
@@ -53,7 +44,6 @@ class LoraSlotPool:
         max_lora_rank: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
-        expand: str = "auto",  # "auto" | "fused" | "split": how parts() splits B (see above)
     ) -> None:
         if num_slots < 1 or max_lora_rank < 1:
             raise ValueError("num_slots and max_lora_rank must be >= 1")
@@ -69,17 +59,16 @@ class LoraSlotPool:
             for g, lay in self.layouts.items():
                 cap = lay.rank_capacity(max_lora_rank)
                 a[g] = torch.zeros(num_slots, cap, lay.d_in, dtype=dtype, device=device)
-                b[g] = torch.zeros(num_slots, cap, lay.d_out, dtype=dtype, device=device)
+                b[g] = torch.zeros(num_slots, max_lora_rank * lay.d_out, dtype=dtype,
+                                   device=device)
             self.A.append(a)
             self.B.append(b)
         self._ranks: list[dict[str, int]] = [
             dict.fromkeys(GROUP_NAMES, 0) for _ in range(num_slots)
         ]
-        # per slot and group: (fused parts, split parts, bytes the split skips)
-        self._parts: list[dict[str, tuple]] = [
-            {g: ((), (), 0) for g in GROUP_NAMES} for _ in range(num_slots)
+        self._parts: list[dict[str, tuple[Part, ...]]] = [
+            dict.fromkeys(GROUP_NAMES, ()) for _ in range(num_slots)
         ]
-        self.set_expand(expand)
 
     @property
     def nbytes(self) -> int:
@@ -91,55 +80,39 @@ class LoraSlotPool:
         """Packed rank of `group` in `slot` (0: the adapter targets none of its modules)."""
         return self._ranks[slot][group]
 
-    def parts(self, slot: int, group: str, num_tokens: int = 1) -> tuple[Part, ...]:
-        """Expand parts (o0, o1, c0, c1) covering the slot's nonzero blocks of B, for a
-        segment of num_tokens tokens: one fused block-diagonal matmul, or one per module."""
-        fused, split, saved = self._parts[slot][group]
-        if self.expand == "fused" or len(split) <= 1 and saved == 0:
-            return fused
-        if self.expand == "split" or len(split) == 1:  # same call count, fewer bytes
-            return split
-        weight = max(1.0, num_tokens / SPLIT_COMPUTE_BOUND_TOKENS)
-        return split if saved * weight >= SPLIT_MIN_SAVED_BYTES * (len(split) - 1) else fused
-
-    def set_expand(self, expand: str) -> None:
-        """How parts() splits each group's expand, for every slot; "auto" except to measure."""
-        if expand not in ("auto", "fused", "split"):
-            raise ValueError(f"unknown expand policy {expand!r}")
-        self.expand = expand
+    def parts(self, slot: int, group: str) -> tuple[Part, ...]:
+        """One expand part (o0, o1, c0, c1, boff) per module of `group` the slot's adapter
+        targets: rank rows [o0, o1) of t = x @ A.T produce output columns [c0, c1) through
+        the [o1 - o0, c1 - c0] block of B[slot] at offset boff."""
+        return self._parts[slot][group]
 
     def clear(self, slot: int) -> None:
         self._check_slot(slot)
         self._zero(slot)
         self._ranks[slot] = dict.fromkeys(GROUP_NAMES, 0)
-        self._parts[slot] = {g: ((), (), 0) for g in GROUP_NAMES}
+        self._parts[slot] = dict.fromkeys(GROUP_NAMES, ())
 
     def write(self, slot: int, weights: LoraAdapterWeights) -> None:
         """Pack `weights` into `slot`, replacing whatever was there. Validates everything
         before touching the slot, so a rejected adapter leaves the slot unchanged."""
         self._check_slot(slot)
         mod_ranks = self._validate(weights)
-        offsets: dict[str, int] = {}
-        ranks = dict.fromkeys(GROUP_NAMES, 0)
-        for g, lay in self.layouts.items():
-            for m in lay.modules:
-                if mod_ranks.get(m, 0) > 0:
-                    offsets[m] = ranks[g]
-                    ranks[g] += mod_ranks[m]
-        self._zero(slot)  # modules the new adapter does not target must read as zero
+        parts = {g: self._plan_parts(g, mod_ranks) for g in GROUP_NAMES}
+        where = {m: part for g in GROUP_NAMES for m, part in parts[g].items()}
+        self._zero(slot)  # rows and blocks the new adapter does not fill must read as zero
         for layer, mods in enumerate(weights.layers):
             for m, mw in mods.items():
                 r = mw.A.shape[0]
                 if r == 0:
                     continue
                 g = MODULE_TO_GROUP[m]
-                lay = self.layouts[g]
-                k = lay.modules.index(m)
-                off, c0, d_out = offsets[m], lay.col_offsets[k], lay.d_outs[k]
-                self.A[layer][g][slot, off : off + r].copy_(mw.A)
-                self.B[layer][g][slot, off : off + r, c0 : c0 + d_out].copy_(mw.B.T)
-        self._ranks[slot] = ranks
-        self._parts[slot] = {g: self._plan_parts(g, offsets, mod_ranks) for g in GROUP_NAMES}
+                o0, o1, c0, c1, boff = where[m]
+                self.A[layer][g][slot, o0 : o0 + r].copy_(mw.A)
+                block = self.B[layer][g][slot, boff : boff + (o1 - o0) * (c1 - c0)]
+                block.view(o1 - o0, c1 - c0)[:r].copy_(mw.B.T)
+        self._ranks[slot] = {g: max((p[1] for p in parts[g].values()), default=0)
+                             for g in GROUP_NAMES}
+        self._parts[slot] = {g: tuple(parts[g].values()) for g in GROUP_NAMES}
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -177,18 +150,13 @@ class LoraSlotPool:
                 mod_ranks[m] = max(mod_ranks.get(m, 0), r)
         return mod_ranks
 
-    def _plan_parts(
-        self, g: str, offsets: dict[str, int], mod_ranks: dict[str, int]
-    ) -> tuple[tuple[Part, ...], tuple[Part, ...], int]:
-        """(fused parts, split parts, weight bytes the split skips) of one group."""
+    def _plan_parts(self, g: str, mod_ranks: dict[str, int]) -> dict[str, Part]:
+        """Where each targeted module of group g goes: its rank rows in A and block in B."""
         lay = self.layouts[g]
-        split = tuple(
-            (offsets[m], offsets[m] + mod_ranks[m], c0, c0 + d)
-            for m, c0, d in zip(lay.modules, lay.col_offsets, lay.d_outs, strict=True)
-            if m in offsets
-        )
-        if not split:
-            return (), (), 0
-        r = split[-1][1]
-        used = sum((o1 - o0) * (c1 - c0) for o0, o1, c0, c1 in split)
-        return ((0, r, 0, lay.d_out),), split, (r * lay.d_out - used) * self.A[0][g].element_size()
+        parts, row, boff = {}, 0, 0
+        for m, c0, d in zip(lay.modules, lay.col_offsets, lay.d_outs, strict=True):
+            r = mod_ranks.get(m, 0)
+            if r > 0:
+                parts[m] = (row, row + r, c0, c0 + d, boff)
+                row, boff = row + r, boff + r * d
+        return parts

@@ -17,10 +17,15 @@ from loraserve.adapters.slot_pool import LoraSlotPool
 from loraserve.adapters.store import AdapterStore
 from loraserve.config import EngineConfig
 from loraserve.engine.engine import LLMEngine
+from loraserve.lora import sgmv_cpu
 from loraserve.lora.batch import LoraBatch
 from loraserve.lora.ops import apply_lora
 from loraserve.request import Request
 from loraserve.types import RequestOutput
+
+# LoRA segments up to this many tokens (decodes, short chunks) run in the C kernel; longer
+# ones are GEMM-shaped and go to the torch path (benchmarks/lora_op_micro.py).
+KERNEL_MAX_TOKENS = 16
 
 
 class LoraEngine(LLMEngine):
@@ -98,15 +103,15 @@ class LoraEngine(LLMEngine):
         return -1 if req.adapter_uid is None else self._slot_by_uid[req.adapter_uid]
 
     def _lora_factory(self):
-        return partial(_make_hook, self.slot_pool)
+        return partial(_make_hook, self.slot_pool, sgmv_cpu.load())
 
 
-def _make_hook(pool: LoraSlotPool, segments: list[tuple[int, int]]):
-    batch = LoraBatch.build(segments, pool)
+def _make_hook(pool: LoraSlotPool, kernel, segments: list[tuple[int, int]]):
+    batch = LoraBatch.build(segments, pool, KERNEL_MAX_TOKENS if kernel is not None else 0)
     if batch.is_empty:
         return None  # base-only step: LoRA costs nothing
 
     def hook(layer: int, group: str, x, y) -> None:
-        apply_lora(x, y, pool.A[layer][group], pool.B[layer][group], batch, group)
+        apply_lora(x, y, pool.A[layer][group], pool.B[layer][group], batch, group, kernel)
 
     return hook

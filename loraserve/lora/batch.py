@@ -11,12 +11,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from loraserve.lora.layout import GROUP_NAMES, GroupLayout, Part
 
-# One expand part as indices: (t_idx, y_idx, b_idx); t_idx/y_idx None = the whole tensor.
-PartIndex = tuple[tuple | None, tuple | None, tuple]
+# One expand part as indices: (t_idx, y_idx, b_idx, block shape); t_idx/y_idx None = the whole
+# tensor; group_B[b_idx].view(shape) is the module's block of B.
+PartIndex = tuple[tuple | None, tuple | None, tuple, tuple[int, int]]
 # One segment of one group: (token slice, index of A[s, :r], expand parts).
 SegmentPlan = tuple[slice, tuple, tuple[PartIndex, ...]]
+# The short segments of one group for the C kernel (lora/sgmv_cpu.c): int64 (slot, start, end,
+# rank) rows, int64 (segment, o0, o1, c0, c1, boff, row stride) rows, and the widest rank.
+KernelPlan = tuple[torch.Tensor, torch.Tensor, int]
 
 
 class SlotRanks(Protocol):
@@ -26,7 +32,7 @@ class SlotRanks(Protocol):
 
     def rank(self, slot: int, group: str) -> int: ...
 
-    def parts(self, slot: int, group: str, num_tokens: int) -> tuple[Part, ...]: ...
+    def parts(self, slot: int, group: str) -> tuple[Part, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,9 @@ class LoraBatch:
     ranks: dict[int, dict[str, int]] = field(default_factory=dict)
     # per group: the segments with a nonzero rank there, as ready-made index tuples
     plans: dict[str, tuple[SegmentPlan, ...]] = field(default_factory=dict)
+    # per group: the segments of at most `kernel_max_tokens` tokens, for the C kernel (those
+    # are then absent from `plans`)
+    kernel_plans: dict[str, KernelPlan] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -49,10 +58,12 @@ class LoraBatch:
         return cls(num_tokens, ())
 
     @classmethod
-    def build(cls, seq_slots: Sequence[tuple[int | None, int]], pool: SlotRanks) -> LoraBatch:
+    def build(cls, seq_slots: Sequence[tuple[int | None, int]], pool: SlotRanks,
+              kernel_max_tokens: int = 0) -> LoraBatch:
         """seq_slots: (slot or None/-1 for the base model, num_tokens) per sequence, in batch
         order. Ranks and expand parts are read from `pool` now, so rewriting a slot while
-        this batch is alive is a caller bug (the store never does it mid-step)."""
+        this batch is alive is a caller bug (the store never does it mid-step).
+        kernel_max_tokens: segments up to this many tokens go to the C kernel (0: none)."""
         runs: list[list[int]] = []  # [slot, start, end]; slot -1 = base
         pos = 0
         for slot, n in seq_slots:
@@ -69,18 +80,28 @@ class LoraBatch:
             return cls.empty(pos)
         slots = sorted({s for s, _, _ in segments})
         ranks = {s: {g: pool.rank(s, g) for g in GROUP_NAMES} for s in slots}
-        plans = {}
+        plans, kernel_plans = {}, {}
         for g in GROUP_NAMES:
             d_out = pool.layouts[g].d_out
-            plan = []
+            plan, k_segs, k_parts = [], [], []
             for s, a, b in segments:
                 r = ranks[s][g]
-                if r:
-                    parts = _part_indices(s, r, d_out, pool.parts(s, g, b - a))
+                if not r:
+                    continue
+                if b - a <= kernel_max_tokens:
+                    k_parts += [(len(k_segs), o0, o1, c0, c1, boff, c1 - c0)
+                                for o0, o1, c0, c1, boff in pool.parts(s, g)]
+                    k_segs.append((s, a, b, r))
+                else:
+                    parts = _part_indices(s, r, d_out, pool.parts(s, g))
                     plan.append((slice(a, b), (s, slice(0, r)), parts))
             if plan:
                 plans[g] = tuple(plan)
-        return cls(pos, segments, ranks, plans)
+            if k_segs:
+                kernel_plans[g] = (torch.tensor(k_segs, dtype=torch.int64),
+                                   torch.tensor(k_parts, dtype=torch.int64),
+                                   max(r for *_, r in k_segs))
+        return cls(pos, segments, ranks, plans, kernel_plans)
 
     def token_slots(self) -> list[int]:
         """Slot per token (-1 = base); for references and debugging, not the hot path."""
@@ -92,10 +113,10 @@ class LoraBatch:
 
 def _part_indices(slot: int, r: int, d_out: int, parts: tuple[Part, ...]) -> tuple[PartIndex, ...]:
     out = []
-    for o0, o1, c0, c1 in parts:
+    for o0, o1, c0, c1, boff in parts:
         all_rows, all_cols = (o0, o1) == (0, r), (c0, c1) == (0, d_out)
         t_idx = None if all_rows else (slice(None), slice(o0, o1))
         y_idx = None if all_cols else (slice(None), slice(c0, c1))
-        b_idx = (slot, slice(o0, o1)) if all_cols else (slot, slice(o0, o1), slice(c0, c1))
-        out.append((t_idx, y_idx, b_idx))
+        b_idx = (slot, slice(boff, boff + (o1 - o0) * (c1 - c0)))
+        out.append((t_idx, y_idx, b_idx, (o1 - o0, c1 - c0)))
     return tuple(out)

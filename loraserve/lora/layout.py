@@ -21,9 +21,10 @@ GROUPS: dict[str, tuple[str, ...]] = {
 GROUP_NAMES: tuple[str, ...] = tuple(GROUPS)
 MODULE_TO_GROUP: dict[str, str] = {m: g for g, mods in GROUPS.items() for m in mods}
 
-# One expand part of a packed group: rank rows [o0, o1) of t = x @ A.T (and of the rank-major
-# B) produce output columns [c0, c1) of the fused output y.
-Part = tuple[int, int, int, int]
+# One expand part of a packed group (one module): rank rows [o0, o1) of t = x @ A.T produce
+# output columns [c0, c1) of the fused output y, through the [o1 - o0, c1 - c0] block of the
+# slot's B that starts at offset boff (adapters/slot_pool.py).
+Part = tuple[int, int, int, int, int]
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ weights for bmm by a wide margin: the gather copies weights every call.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from loraserve.lora.batch import LoraBatch
 from loraserve.lora.layout import GroupLayout
+from loraserve.lora.sgmv_cpu import sgmv
 
 if TYPE_CHECKING:
     from loraserve.adapters.format import LoraModuleWeights
@@ -29,12 +31,19 @@ def apply_lora(
     group_B: torch.Tensor,
     batch: LoraBatch,
     group: str,
+    kernel: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """y += LoRA delta of `group` for every token that uses an adapter; in place, returns y.
 
     x: [T, d_in] group input; y: [T, d_out_g] fused group output (rows must be contiguous)
-    group_A: [S, R_g, d_in], group_B: [S, R_g, d_out_g] (LoraSlotPool.A/B[layer][group])
+    group_A: [S, R_g, d_in], group_B: [S, max_rank * d_out_g] (LoraSlotPool.A/B[layer][group])
+    kernel: the C library (lora/sgmv_cpu.py) for the batch's `kernel_plans`.
     """
+    kplan = batch.kernel_plans.get(group)
+    if kplan is not None:
+        if kernel is None:
+            raise ValueError("batch was built for the C kernel but none was given")
+        sgmv(kernel, x, y, group_A, group_B, *kplan)
     plan = batch.plans.get(group)
     if not plan:  # base-only batch, or no adapter in it targets this group: no work at all
         return y
@@ -42,10 +51,10 @@ def apply_lora(
     for xs, a_idx, parts in plan:
         t = linear(x[xs], group_A[a_idx])  # t: [n, r] = x[a:b] @ A[s, :r].T
         ys = y[xs]  # ys: [n, d_out_g], a view: addmm_ writes through
-        for t_idx, y_idx, b_idx in parts:
-            # ys[:, c0:c1] += t[:, o0:o1] @ B[s, o0:o1, c0:c1]
+        for t_idx, y_idx, b_idx, shape in parts:
+            # ys[:, c0:c1] += t[:, o0:o1] @ (the module's [o1 - o0, c1 - c0] block of B[s])
             out = ys if y_idx is None else ys[y_idx]
-            out.addmm_(t if t_idx is None else t[t_idx], group_B[b_idx])
+            out.addmm_(t if t_idx is None else t[t_idx], group_B[b_idx].view(shape))
     return y
 
 

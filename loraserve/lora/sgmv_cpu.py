@@ -1,0 +1,108 @@
+"""Build, cache and call the C multi-LoRA kernel (`sgmv_cpu.c`) through ctypes.
+
+The shared library is compiled once per source, compiler and CPU (it is built with
+`-march=native`) into `$LORASERVE_CACHE/kernels/`, written to a temp file and renamed into
+place so concurrent processes never load a half-written file. It links the libgomp that
+torch has already loaded, so kernel and torch share one OpenMP thread pool.
+
+Where no C compiler is found or the build fails, `load()` returns None once with a warning
+and LoRA runs on the pure-torch path (lora/ops.py); `LORASERVE_LORA_KERNEL=torch` forces it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from loraserve.model.bundled import cache_root
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("sgmv_cpu.c")
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC",
+          "-std=c11"]
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cpu_id() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, _cpu_id(), *CFLAGS])
+                         .encode()).hexdigest()[:16]
+    out = cache_root() / "kernels" / f"sgmv_cpu-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True,
+                       text=True)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, building it on first use; None when it cannot be had."""
+    global _lib, _tried
+    if os.environ.get("LORASERVE_LORA_KERNEL", "c").lower() == "torch":
+        return None  # read per call (once per step), so a process can compare both paths
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+        try:
+            if cc is None:
+                raise RuntimeError("no C compiler (gcc/cc) on PATH")
+            lib = ctypes.CDLL(str(_build(cc)))
+        except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+            detail = getattr(e, "stderr", "") or e
+            log.warning("C LoRA kernel unavailable, using the torch path: %s", detail)
+            return None
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.lora_sgmv.restype = ctypes.c_int
+        lib.lora_sgmv.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ptr, i64,
+                                  ptr, i64, ptr, i64, ptr, i64, ctypes.c_int]
+        _lib = lib
+        return _lib
+
+
+def sgmv(lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor, A: torch.Tensor,
+         B: torch.Tensor, segs: torch.Tensor, parts: torch.Tensor, max_rank: int) -> None:
+    """y += segmented LoRA delta, in place (see sgmv_cpu.c for the argument layout).
+
+    x: [T, d_in], y: [T, d_out] float32 with unit column stride; A: [S, R, d_in] and
+    B: [S, block floats] contiguous; segs int64 [n, 4]; parts int64 [m, 7]."""
+    if x.stride(1) != 1 or y.stride(1) != 1 or not (A.is_contiguous() and B.is_contiguous()):
+        raise ValueError("sgmv needs unit column strides and contiguous A/B")
+    t = torch.empty(x.shape[0], max_rank, dtype=torch.float32)
+    rc = lib.lora_sgmv(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0),
+                       A.data_ptr(), A.stride(0), A.shape[2], B.data_ptr(), B.stride(0),
+                       segs.data_ptr(), segs.shape[0], parts.data_ptr(),
+                       parts.shape[0], t.data_ptr(), max_rank, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError("a segment's rank exceeds the scratch width")
