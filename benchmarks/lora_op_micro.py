@@ -4,8 +4,10 @@ B decode tokens spread evenly over N adapters (ranks spaced 8..64, all 7 modules
 30 layers of LoRA ops per step. Variants, timed as medians of interleaved runs:
   c-kernel        lora.ops.apply_lora on the C kernel (lora/sgmv_cpu.c): the engine's path
                   for segments of up to 16 tokens
-  torch-segments  lora.ops.apply_lora on the torch path: one shrink and one expand matmul
-                  per segment and module, on views of the slot pool (Punica-style)
+  torch-onednn    lora.ops.apply_lora on the torch path: one shrink and one expand matmul
+                  per segment and module, on views of the slot pool (Punica-style), through
+                  oneDNN: the engine's path for longer segments
+  torch-segments  the same through torch.mm (MKL): the path where oneDNN is missing
   gather-bmm      per-token gather of A (copies), then bmm: the naive batched form
   base linears / lm_head   the base model's matmuls of the same step (oneDNN), for scale
 
@@ -89,6 +91,7 @@ def main() -> None:
     if kernel is None:
         raise SystemExit("the C LoRA kernel could not be built (see the warning above)")
     batches = {"c-kernel": LoraBatch.build(seqs, pool, kernel_max_tokens=T),
+               "torch-onednn": LoraBatch.build(seqs, pool, onednn=True),
                "torch-segments": LoraBatch.build(seqs, pool)}
     batch = batches["torch-segments"]
     token_slots = batch.token_slots()

@@ -20,12 +20,13 @@ from loraserve.engine.engine import LLMEngine
 from loraserve.lora import sgmv_cpu
 from loraserve.lora.batch import LoraBatch
 from loraserve.lora.ops import apply_lora
+from loraserve.model.linear import gemm_backend
 from loraserve.request import Request
 from loraserve.types import RequestOutput
 
-# LoRA segments up to this many tokens (decodes, short chunks) run in the C kernel; longer
-# ones are GEMM-shaped and go to the torch path (benchmarks/lora_op_micro.py).
-KERNEL_MAX_TOKENS = 16
+# LoRA segments up to this many tokens (decodes, prompts, chunks) run in the C kernel; from
+# ~512 tokens oneDNN's GEMMs on the torch path are as fast (benchmarks/lora_op_micro.py).
+KERNEL_MAX_TOKENS = 256
 
 
 class LoraEngine(LLMEngine):
@@ -107,7 +108,8 @@ class LoraEngine(LLMEngine):
 
 
 def _make_hook(pool: LoraSlotPool, kernel, segments: list[tuple[int, int]]):
-    batch = LoraBatch.build(segments, pool, KERNEL_MAX_TOKENS if kernel is not None else 0)
+    batch = LoraBatch.build(segments, pool, KERNEL_MAX_TOKENS if kernel is not None else 0,
+                            onednn=gemm_backend() == "onednn")
     if batch.is_empty:
         return None  # base-only step: LoRA costs nothing
 

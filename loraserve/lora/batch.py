@@ -47,6 +47,8 @@ class LoraBatch:
     # per group: the segments of at most `kernel_max_tokens` tokens, for the C kernel (those
     # are then absent from `plans`)
     kernel_plans: dict[str, KernelPlan] = field(default_factory=dict)
+    # the torch path runs its matmuls through oneDNN (model/linear.py), not torch.mm
+    onednn: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -59,11 +61,12 @@ class LoraBatch:
 
     @classmethod
     def build(cls, seq_slots: Sequence[tuple[int | None, int]], pool: SlotRanks,
-              kernel_max_tokens: int = 0) -> LoraBatch:
+              kernel_max_tokens: int = 0, onednn: bool = False) -> LoraBatch:
         """seq_slots: (slot or None/-1 for the base model, num_tokens) per sequence, in batch
         order. Ranks and expand parts are read from `pool` now, so rewriting a slot while
         this batch is alive is a caller bug (the store never does it mid-step).
-        kernel_max_tokens: segments up to this many tokens go to the C kernel (0: none)."""
+        kernel_max_tokens: segments up to this many tokens go to the C kernel (0: none).
+        onednn: the other segments' matmuls go through oneDNN (gemm_backend() == "onednn")."""
         runs: list[list[int]] = []  # [slot, start, end]; slot -1 = base
         pos = 0
         for slot, n in seq_slots:
@@ -101,7 +104,7 @@ class LoraBatch:
                 kernel_plans[g] = (torch.tensor(k_segs, dtype=torch.int64),
                                    torch.tensor(k_parts, dtype=torch.int64),
                                    max(r for *_, r in k_segs))
-        return cls(pos, segments, ranks, plans, kernel_plans)
+        return cls(pos, segments, ranks, plans, kernel_plans, onednn)
 
     def token_slots(self) -> list[int]:
         """Slot per token (-1 = base); for references and debugging, not the hot path."""

@@ -27,37 +27,35 @@ static inline float hsum(v16 v) {
     return s;
 }
 
-#define TOK_BLOCK 4   /* shrink: tokens per weight-row read (shrink_row4) */
+#define TOK_BLOCK 4   /* shrink: tokens per weight-row read (shrink_rows2x4) */
 #define ROW_CHUNK 16  /* shrink work item: rank rows of one segment */
 #define COL_CHUNK 2048 /* expand work item: output columns of one part */
 #define PW 7 /* int64 fields per part */
 
-/* t[tok, j] = x[tok] . a for TOK_BLOCK tokens from tok0: four independent FMA chains in
- * registers, one read of the weight row for all four. (Two rows x four tokens per pass
- * measured no faster: the shrink is bound by reading A.) */
-static void shrink_row4(const float *x, int64_t ldx, const float *a, int64_t d_in,
-                        int64_t tok0, float *t, int64_t ldt, int64_t j) {
+/* t[tok, j..j+1] = x[tok] . A[j], x[tok] . A[j+1] for 4 tokens from tok0: eight independent
+ * FMA chains in registers (enough to keep both FMA pipes busy on long segments); each x vector
+ * load serves two weight rows and each weight vector four tokens. */
+static void shrink_rows2x4(const float *x, int64_t ldx, const float *a, int64_t d_in,
+                           int64_t tok0, float *t, int64_t ldt, int64_t j) {
     const float *x0 = x + tok0 * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
-    v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+    const float *a1 = a + d_in;
+    v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, u0 = {0}, u1 = {0}, u2 = {0}, u3 = {0};
     int64_t i = 0;
     for (; i + 16 <= d_in; i += 16) {
-        v16 av = ld(a + i);
-        s0 += av * ld(x0 + i);
-        s1 += av * ld(x1 + i);
-        s2 += av * ld(x2 + i);
-        s3 += av * ld(x3 + i);
+        v16 av = ld(a + i), bv = ld(a1 + i), xv;
+        xv = ld(x0 + i); s0 += av * xv; u0 += bv * xv;
+        xv = ld(x1 + i); s1 += av * xv; u1 += bv * xv;
+        xv = ld(x2 + i); s2 += av * xv; u2 += bv * xv;
+        xv = ld(x3 + i); s3 += av * xv; u3 += bv * xv;
     }
-    float r0 = hsum(s0), r1 = hsum(s1), r2 = hsum(s2), r3 = hsum(s3);
-    for (; i < d_in; i++) {
-        r0 += a[i] * x0[i];
-        r1 += a[i] * x1[i];
-        r2 += a[i] * x2[i];
-        r3 += a[i] * x3[i];
+    float r[8] = {hsum(s0), hsum(s1), hsum(s2), hsum(s3), hsum(u0), hsum(u1), hsum(u2), hsum(u3)};
+    const float *xs[4] = {x0, x1, x2, x3};
+    for (; i < d_in; i++)
+        for (int k = 0; k < 4; k++) r[k] += a[i] * xs[k][i], r[4 + k] += a1[i] * xs[k][i];
+    for (int k = 0; k < 4; k++) {
+        t[(tok0 + k) * ldt + j] = r[k];
+        t[(tok0 + k) * ldt + j + 1] = r[4 + k];
     }
-    t[tok0 * ldt + j] = r0;
-    t[(tok0 + 1) * ldt + j] = r1;
-    t[(tok0 + 2) * ldt + j] = r2;
-    t[(tok0 + 3) * ldt + j] = r3;
 }
 
 static void shrink_row1(const float *x, int64_t ldx, const float *a, int64_t d_in,
@@ -162,12 +160,18 @@ int lora_sgmv(const float *x, int64_t ldx, float *y, int64_t ldy,
             const int64_t *g = segs + 4 * s;
             int64_t j0 = (item - base) * ROW_CHUNK, j1 = j0 + ROW_CHUNK < g[3] ? j0 + ROW_CHUNK : g[3];
             const float *As = A + g[0] * a_slot;
-            for (int64_t j = j0; j < j1; j++) {
-                int64_t tok = g[1];
-                for (; tok + TOK_BLOCK <= g[2]; tok += TOK_BLOCK)
-                    shrink_row4(x, ldx, As + j * d_in, d_in, tok, t, ldt, j);
-                for (; tok < g[2]; tok++) shrink_row1(x, ldx, As + j * d_in, d_in, tok, t, ldt, j);
+            int64_t tok = g[1];
+            for (; tok + TOK_BLOCK <= g[2]; tok += TOK_BLOCK) {
+                int64_t j = j0;
+                for (; j + 2 <= j1; j += 2)
+                    shrink_rows2x4(x, ldx, As + j * d_in, d_in, tok, t, ldt, j);
+                for (; j < j1; j++)
+                    for (int64_t k = tok; k < tok + TOK_BLOCK; k++)
+                        shrink_row1(x, ldx, As + j * d_in, d_in, k, t, ldt, j);
             }
+            for (; tok < g[2]; tok++)
+                for (int64_t j = j0; j < j1; j++)
+                    shrink_row1(x, ldx, As + j * d_in, d_in, tok, t, ldt, j);
         }
         /* implicit barrier: every t row is complete before any expand reads it */
 #pragma omp for schedule(dynamic, 1)
