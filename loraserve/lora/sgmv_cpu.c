@@ -36,12 +36,16 @@ static inline float hsum(v16 v) {
  * FMA chains in registers (enough to keep both FMA pipes busy on long segments); each x vector
  * load serves two weight rows and each weight vector four tokens. */
 static void shrink_rows2x4(const float *x, int64_t ldx, const float *a, int64_t d_in,
-                           int64_t tok0, float *t, int64_t ldt, int64_t j) {
+                           int64_t tok0, float *t, int64_t ldt, int64_t j, int pf) {
     const float *x0 = x + tok0 * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
     const float *a1 = a + d_in;
     v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, u0 = {0}, u1 = {0}, u2 = {0}, u3 = {0};
     int64_t i = 0;
     for (; i + 16 <= d_in; i += 16) {
+        if (pf) { /* next row pair from memory: the hardware prefetcher ramps up too slowly */
+            __builtin_prefetch(a + 2 * d_in + i, 0, 0);
+            __builtin_prefetch(a + 3 * d_in + i, 0, 0);
+        }
         v16 av = ld(a + i), bv = ld(a1 + i), xv;
         xv = ld(x0 + i); s0 += av * xv; u0 += bv * xv;
         xv = ld(x1 + i); s1 += av * xv; u1 += bv * xv;
@@ -84,12 +88,17 @@ static void shrink_row1(const float *x, int64_t ldx, const float *a, int64_t d_i
 
 static void expand_tile4(const float *t, int64_t ldt, const float *blk, int64_t ldp,
                          int64_t o0, int64_t j0, int64_t j1, int64_t c, int64_t tok,
-                         float *y, int64_t ldy) {
+                         float *y, int64_t ldy, int pf) {
     float *y0 = y + tok * ldy + c, *y1 = y0 + ldy, *y2 = y1 + ldy, *y3 = y2 + ldy;
     const float *t0 = t + tok * ldt, *t1 = t0 + ldt, *t2 = t1 + ldt, *t3 = t2 + ldt;
     LD4(p, y0); LD4(q, y1); LD4(r, y2); LD4(u, y3);
     for (int64_t j = j0; j < j1; j++) {
         const float *b = blk + (j - o0) * ldp + c;
+        if (pf) { /* the tile J_TILE rows on, on the first pass over this B tile */
+            const float *p = b + J_TILE * ldp;
+            __builtin_prefetch(p, 0, 0), __builtin_prefetch(p + 16, 0, 0);
+            __builtin_prefetch(p + 32, 0, 0), __builtin_prefetch(p + 48, 0, 0);
+        }
         LD4(b, b);
         FMA4(p, t0[j]); FMA4(q, t1[j]); FMA4(r, t2[j]); FMA4(u, t3[j]);
     }
@@ -121,7 +130,7 @@ static void expand_rows(const float *t, int64_t ldt, const float *blk, int64_t l
         for (int64_t c = 0; c < n64; c += 64) {
             int64_t tok = tok0;
             for (; tok + 4 <= tok1; tok += 4)
-                expand_tile4(t, ldt, blk, ldp, o0, j0, j1, c, tok, y + c0, ldy);
+                expand_tile4(t, ldt, blk, ldp, o0, j0, j1, c, tok, y + c0, ldy, tok == tok0);
             for (; tok < tok1; tok++)
                 expand_tile1(t, ldt, blk, ldp, o0, j0, j1, c, tok, y + c0, ldy);
         }
@@ -164,7 +173,7 @@ int lora_sgmv(const float *x, int64_t ldx, float *y, int64_t ldy,
             for (; tok + TOK_BLOCK <= g[2]; tok += TOK_BLOCK) {
                 int64_t j = j0;
                 for (; j + 2 <= j1; j += 2)
-                    shrink_rows2x4(x, ldx, As + j * d_in, d_in, tok, t, ldt, j);
+                    shrink_rows2x4(x, ldx, As + j * d_in, d_in, tok, t, ldt, j, tok == g[1]);
                 for (; j < j1; j++)
                     for (int64_t k = tok; k < tok + TOK_BLOCK; k++)
                         shrink_row1(x, ldx, As + j * d_in, d_in, k, t, ldt, j);
