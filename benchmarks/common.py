@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from loraserve.model.linear import onednn_linear
+
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "bench-results"
 
 
@@ -22,7 +24,7 @@ def gemm_gflops(n: int = 2048, reps: int = 5, backend: str = "mkl") -> float:
         packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
 
         def gemm():
-            return torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+            return onednn_linear(a, packed)
     else:
 
         def gemm():

@@ -1,10 +1,11 @@
 """Batched multi-LoRA ops: a plain per-token reference and the segmented fast op.
 
-The fast op follows Punica's SGMV in eager PyTorch: tokens of one adapter are contiguous, so
-each segment costs one shrink matmul and one expand matmul per part on *views* of the slot
-pool (no weight copies), sized by that adapter's packed rank, never by max_lora_rank.
-Measured on 2 AVX-512 cores (benchmarks/lora_op_micro.py) it beats gathering per-token
-weights for bmm by a wide margin: the gather copies weights every call.
+The fast op follows Punica's SGMV: tokens of one adapter are contiguous, so each segment
+costs one shrink and one expand per module on *views* of the slot pool (no weight copies),
+sized by that adapter's packed rank, never by max_lora_rank. Segments of up to a few hundred
+tokens go to the C kernel (lora/sgmv_cpu.c, one call per layer and group); longer ones, or all
+of them where no kernel could be built, to matmuls here. Gathering per-token weights for bmm
+is far slower: it copies weights every call (benchmarks/lora_op_micro.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from loraserve.lora.batch import LoraBatch
 from loraserve.lora.layout import GroupLayout
 from loraserve.lora.sgmv_cpu import sgmv
+from loraserve.model.linear import onednn_linear
 
 if TYPE_CHECKING:
     from loraserve.adapters.format import LoraModuleWeights
@@ -47,8 +49,8 @@ def apply_lora(
     plan = batch.plans.get(group)
     if not plan:  # base-only batch, or no adapter in it targets this group: no work at all
         return y
-    onednn = batch.onednn
-    linear = _onednn_linear if onednn else F.linear
+    onednn = batch.onednn  # 1.3-2x MKL's sgemm on long segments here (model/linear.py)
+    linear = onednn_linear if onednn else F.linear
     for xs, a_idx, parts in plan:
         t = linear(x[xs], group_A[a_idx])  # t: [n, r] = x[a:b] @ A[s, :r].T
         ys = y[xs]  # ys: [n, d_out_g], a view: in-place updates write through
@@ -57,16 +59,10 @@ def apply_lora(
             out = ys if y_idx is None else ys[y_idx]
             tp, block = (t if t_idx is None else t[t_idx]), group_B[b_idx].view(shape)
             if onednn:
-                out.add_(_onednn_linear(tp, block.t()))
+                out.add_(onednn_linear(tp, block.t()))
             else:
                 out.addmm_(tp, block)
     return y
-
-
-def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    # oneDNN on an unpacked weight view (no copy): 1.3-2x MKL's sgemm from ~100 rows up on
-    # the AMD CPUs here (model/linear.py); the C kernel takes the short segments.
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
 
 def lora_reference(

@@ -31,6 +31,12 @@ def gemm_backend() -> str:
     return "mkl"
 
 
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T through oneDNN; `weight` packed or plain `[d_out, d_in]` (a strided view
+    too: no copy)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
 class Linear:
     """A bias-free linear layer over a `[d_out, d_in]` weight (nn.Linear's orientation)."""
 
@@ -48,7 +54,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, d_in] -> [T, d_out]
         if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
+            return onednn_linear(x, self._packed)
         return torch.mm(x, self._weight_t)
 
     @property
