@@ -77,9 +77,10 @@ static void shrink_row1(const float *x, int64_t ldx, const float *a, int64_t d_i
     t[tok * ldt + j] = r;
 }
 
-/* Expand tiles: y[tok, c:c+64] += t[tok, j0:j1] @ blk[j0:j1, c:c+64], accumulated in registers
- * over J_TILE rows before y is stored (storing y once per row made the expand store-bound). */
-#define J_TILE 8
+/* Expand tiles: y[tok, c:c+64] += t[tok, o0:o1] @ blk[:, c:c+64], accumulated in registers over
+ * all rows, so each y tile is loaded and stored once (storing y per row made the expand
+ * store-bound; per 8 rows, bound by moving y through L2/L3 on long segments). */
+#define PF_ROWS 8 /* software prefetch distance, in rows of B */
 
 /* 16 named accumulators: GCC keeps these in zmm registers (an a[4][4] array went to the stack). */
 #define LD4(a, p) v16 a##0 = ld(p), a##1 = ld((p) + 16), a##2 = ld((p) + 32), a##3 = ld((p) + 48)
@@ -87,15 +88,15 @@ static void shrink_row1(const float *x, int64_t ldx, const float *a, int64_t d_i
 #define FMA4(a, s) (a##0 += (s) * b0, a##1 += (s) * b1, a##2 += (s) * b2, a##3 += (s) * b3)
 
 static void expand_tile4(const float *t, int64_t ldt, const float *blk, int64_t ldp,
-                         int64_t o0, int64_t j0, int64_t j1, int64_t c, int64_t tok,
+                         int64_t o0, int64_t o1, int64_t c, int64_t tok,
                          float *y, int64_t ldy, int pf) {
     float *y0 = y + tok * ldy + c, *y1 = y0 + ldy, *y2 = y1 + ldy, *y3 = y2 + ldy;
     const float *t0 = t + tok * ldt, *t1 = t0 + ldt, *t2 = t1 + ldt, *t3 = t2 + ldt;
     LD4(p, y0); LD4(q, y1); LD4(r, y2); LD4(u, y3);
-    for (int64_t j = j0; j < j1; j++) {
+    for (int64_t j = o0; j < o1; j++) {
         const float *b = blk + (j - o0) * ldp + c;
-        if (pf) { /* the tile J_TILE rows on, on the first pass over this B tile */
-            const float *p = b + J_TILE * ldp;
+        if (pf && j + PF_ROWS < o1) { /* on the first pass over this strip of B */
+            const float *p = b + PF_ROWS * ldp;
             __builtin_prefetch(p, 0, 0), __builtin_prefetch(p + 16, 0, 0);
             __builtin_prefetch(p + 32, 0, 0), __builtin_prefetch(p + 48, 0, 0);
         }
@@ -106,12 +107,11 @@ static void expand_tile4(const float *t, int64_t ldt, const float *blk, int64_t 
 }
 
 static void expand_tile1(const float *t, int64_t ldt, const float *blk, int64_t ldp,
-                         int64_t o0, int64_t j0, int64_t j1, int64_t c, int64_t tok,
-                         float *y, int64_t ldy) {
+                         int64_t o0, int64_t o1, int64_t c, int64_t tok, float *y, int64_t ldy) {
     float *yr = y + tok * ldy + c;
     const float *tr = t + tok * ldt;
     v16 a0 = ld(yr), a1 = ld(yr + 16), a2 = ld(yr + 32), a3 = ld(yr + 48);
-    for (int64_t j = j0; j < j1; j++) {
+    for (int64_t j = o0; j < o1; j++) {
         const float *b = blk + (j - o0) * ldp + c;
         const float s = tr[j];
         a0 += s * ld(b); a1 += s * ld(b + 16); a2 += s * ld(b + 32); a3 += s * ld(b + 48);
@@ -125,22 +125,18 @@ static void expand_rows(const float *t, int64_t ldt, const float *blk, int64_t l
                         int64_t o0, int64_t o1, int64_t c0, int64_t n, int64_t tok0,
                         int64_t tok1, float *y, int64_t ldy) {
     int64_t n64 = n / 64 * 64;
-    for (int64_t j0 = o0; j0 < o1; j0 += J_TILE) {
-        int64_t j1 = j0 + J_TILE < o1 ? j0 + J_TILE : o1;
-        for (int64_t c = 0; c < n64; c += 64) {
-            int64_t tok = tok0;
-            for (; tok + 4 <= tok1; tok += 4)
-                expand_tile4(t, ldt, blk, ldp, o0, j0, j1, c, tok, y + c0, ldy, tok == tok0);
-            for (; tok < tok1; tok++)
-                expand_tile1(t, ldt, blk, ldp, o0, j0, j1, c, tok, y + c0, ldy);
-        }
-        for (int64_t tok = tok0; tok < tok1; tok++) /* columns past the last 64-wide strip */
-            for (int64_t c = n64; c < n; c++) {
-                float acc = y[tok * ldy + c0 + c];
-                for (int64_t j = j0; j < j1; j++) acc += t[tok * ldt + j] * blk[(j - o0) * ldp + c];
-                y[tok * ldy + c0 + c] = acc;
-            }
+    for (int64_t c = 0; c < n64; c += 64) { /* a 64-column strip of B: r x 256 B, L1-resident */
+        int64_t tok = tok0;
+        for (; tok + 4 <= tok1; tok += 4)
+            expand_tile4(t, ldt, blk, ldp, o0, o1, c, tok, y + c0, ldy, tok == tok0);
+        for (; tok < tok1; tok++) expand_tile1(t, ldt, blk, ldp, o0, o1, c, tok, y + c0, ldy);
     }
+    for (int64_t tok = tok0; tok < tok1; tok++) /* columns past the last 64-wide strip */
+        for (int64_t c = n64; c < n; c++) {
+            float acc = y[tok * ldy + c0 + c];
+            for (int64_t j = o0; j < o1; j++) acc += t[tok * ldt + j] * blk[(j - o0) * ldp + c];
+            y[tok * ldy + c0 + c] = acc;
+        }
 }
 
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
