@@ -27,7 +27,7 @@ from loraserve.adapters.slot_pool import LoraSlotPool
 from loraserve.config import LORA_MODULES, ModelConfig
 from loraserve.lora import sgmv_cpu
 from loraserve.lora.batch import LoraBatch
-from loraserve.lora.layout import GROUP_NAMES
+from loraserve.lora.layout import GROUP_NAMES, a_tiles
 from loraserve.lora.ops import apply_lora
 from loraserve.model.linear import Linear
 
@@ -62,9 +62,10 @@ def gather_bmm_shrink(pool, xs, token_slots, batch) -> None:
     idx = torch.tensor(token_slots)
     for layer in range(pool.model_config.num_hidden_layers):
         for g in GROUP_NAMES:
-            r = max(ranks[g] for ranks in batch.ranks.values())
-            A_tok = pool.A[layer][g][idx, :r]  # A_tok: [T, r, d_in] (a copy)
-            torch.bmm(xs[g].unsqueeze(1), A_tok.transpose(1, 2))  # [T, 1, r]
+            r, d_in = max(ranks[g] for ranks in batch.ranks.values()), xs[g].shape[1]
+            for _, w, off in a_tiles(r, d_in):  # the widest rank's A.T tiles
+                A_tok = pool.A[layer][g][idx, off : off + d_in * w].view(-1, d_in, w)  # a copy
+                torch.bmm(xs[g].unsqueeze(1), A_tok)  # [T, 1, w]
 
 
 def main() -> None:

@@ -49,7 +49,7 @@ def test_reassigned_slot_is_fully_overwritten(tiny_model_dir, ads):
     for layer in range(mc.num_hidden_layers):
         for g in ("o", "gate_up", "down"):
             assert not pool.A[layer][g][slot].any() and not pool.B[layer][g][slot].any()
-        assert not pool.A[layer]["qkv"][slot, 16:].any()
+        assert not pool.A[layer]["qkv"][slot, 16 * mc.hidden_size :].any()  # past y's A.T tile
         assert not pool.B[layer]["qkv"][slot, 16 * q_out :].any()  # past y's q block
     assert gen(llm, [P1], ["x"]) == [ref(tiny_model_dir, ads["x"], P1, 6)]  # and back again
 

@@ -13,7 +13,7 @@ from loraserve.adapters.slot_pool import LoraSlotPool
 from loraserve.config import LORA_MODULES, ModelConfig
 from loraserve.lora import sgmv_cpu
 from loraserve.lora.batch import LoraBatch
-from loraserve.lora.layout import GROUPS, MODULE_TO_GROUP, group_layouts
+from loraserve.lora.layout import GROUPS, MODULE_TO_GROUP, group_layouts, padded_rank
 from loraserve.lora.ops import apply_lora, lora_reference
 
 KERNEL = sgmv_cpu.load()
@@ -63,6 +63,7 @@ ADAPTERS = [
     make_adapter(6, 12, ("gate_proj", "down_proj")),
     make_adapter(7, 8, ("q_proj", "down_proj"), layer_ranks=[8, 24]),  # ranks differ by layer
     make_adapter(8, 8, ("up_proj", "v_proj"), layer_ranks=[0, 16]),  # layer 0 untouched
+    make_adapter(9, 40, LORA_MODULES),  # packed qkv rank 120: two A.T tiles, the last padded
 ]
 
 
@@ -108,6 +109,15 @@ def test_fast_op_matches_reference_on_mixed_batches(path, seed):
             seqs.append((None, rng.choice([1, 5])))  # base tokens as their own segments
     seqs.append((3, 2))  # slot 3 again, not adjacent to its first run
     check_all_groups(pool, seqs, ADAPTERS, seed, path)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_long_segments_and_every_tile_shape(path):
+    # prefill-length segments (past the kernel's 60-token work chunks), token counts that
+    # leave 1..5-token tails of the 6-token tiles, and every packed-rank width
+    pool = full_pool()
+    seqs = [(8, 131), (None, 3), (4, 61), (0, 6), (5, 17), (1, 2), (2, 64), (3, 5), (6, 9)]
+    check_all_groups(pool, seqs, ADAPTERS, seed=7, path=path)
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -189,11 +199,13 @@ def test_cost_follows_packed_rank_not_max_rank():
     assert batch.ranks[0] == r0
     assert batch.ranks[3] == {"qkv": 32, "o": 0, "gate_up": 0, "down": 0}
     for g, plan in batch.plans.items():
-        for _xs, a_idx, parts in plan:
-            slot = a_idx[0]
-            view = pool.A[0][g][a_idx]
-            assert view.shape[0] == batch.ranks[slot][g]
-            assert view.data_ptr() == pool.A[0][g][slot].data_ptr()  # a view, not a copy
+        for _xs, tiles, parts in plan:
+            slot = tiles[0][0][0]
+            views = [pool.A[0][g][idx].view(shape) for idx, shape in tiles]
+            # the tiles cover the packed rank padded to whole vectors, and nothing more
+            assert sum(v.shape[1] for v in views) == padded_rank(batch.ranks[slot][g])
+            assert all(v.shape[0] == pool.layouts[g].d_in for v in views)
+            assert views[0].data_ptr() == pool.A[0][g][slot].data_ptr()  # a view, not a copy
             for _, _, b_idx, (rows, cols) in parts:
                 assert rows <= batch.ranks[slot][g]
                 assert pool.B[0][g][b_idx].numel() == rows * cols  # exactly the module's block

@@ -1,23 +1,26 @@
 """Preallocated compute-memory slots holding packed LoRA weights, one adapter per slot.
 
 Layout, per layer and module group g (see lora/layout.py):
-    A[layer][g]: [S, R_g, d_in]                   shrink weights, rank-major
+    A[layer][g]: [S, R_g * d_in]                  shrink weights, transposed, in rank tiles
     B[layer][g]: [S, max_lora_rank * d_out_g]     expand weights, one dense block per module
-with R_g = len(modules of g) * max_lora_rank. An adapter's modules of a group are packed:
-module m takes rank rows [o_m, o_m + r_m) of A, and a contiguous block of B at offset
-boff_m holding B_m.T (already scaled), [r_m, d_out_m] row-major. So for every module
-    y_g[:, cols_m] += (x @ A[s, :r].T)[:, o_m:o_m + r_m] @ B_block_m
-adds exactly its delta, and the expand reads only the adapter's own weights, each block in one
-contiguous stream (the block-diagonal dense B it replaces was read in short strided runs:
-2-3x slower in the C kernel, and n_g times the memory).
+with R_g = len(modules of g) * max_lora_rank (padded to 16). An adapter's modules of a group
+are packed side by side along the rank axis: module m takes rank columns [o_m, o_m + r_m) of
+A.T ([d_in, r], r = the packed rank padded to 16, zero past the modules), which is stored as
+row-major [d_in, <= 64] tiles one after another (layout.a_tiles), and a contiguous block of B
+at offset boff_m holding B_m.T (already scaled), [r_m, d_out_m] row-major. So for every module
+    y_g[:, cols_m] += (x @ A.T)[:, o_m:o_m + r_m] @ B_block_m
+adds exactly its delta, and the kernel reads only the adapter's own weights, each tile and
+block in one contiguous stream. A is transposed so the shrink is a broadcast-FMA GEMM with no
+horizontal sums (lora/sgmv_cpu.c); B's blocks replaced a block-diagonal dense B that was read
+in short strided runs (2-3x slower, and n_g times the memory).
 
 Ranks differing across layers (PEFT rank_pattern / layers_to_transform): module m gets
 r_m = its max rank over layers, in every layer; rows beyond a layer's own rank stay zero.
 So offsets and the packed rank are per (slot, group), not per layer, and the batch metadata
 needs no per-layer data; the cost is a few zero rows on the layers with smaller ranks.
 
-Memory: nbytes = S * L * max_lora_rank * itemsize * sum_g (n_g * d_in_g + d_out_g)
-(n_g = modules in group g); for SmolLM2-135M at max rank 64, fp32: 75 MiB per slot.
+Memory: nbytes = S * L * itemsize * sum_g (R_g * d_in_g + max_lora_rank * d_out_g);
+for SmolLM2-135M at max rank 64, fp32: 75 MiB per slot.
 """
 
 from __future__ import annotations
@@ -27,7 +30,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from loraserve.config import ModelConfig
-from loraserve.lora.layout import GROUP_NAMES, MODULE_TO_GROUP, GroupLayout, Part, group_layouts
+from loraserve.lora.layout import (
+    GROUP_NAMES,
+    MODULE_TO_GROUP,
+    GroupLayout,
+    Part,
+    a_tiles,
+    group_layouts,
+    padded_rank,
+)
 
 if TYPE_CHECKING:
     from loraserve.adapters.format import LoraAdapterWeights
@@ -58,7 +69,7 @@ class LoraSlotPool:
             a, b = {}, {}
             for g, lay in self.layouts.items():
                 cap = lay.rank_capacity(max_lora_rank)
-                a[g] = torch.zeros(num_slots, cap, lay.d_in, dtype=dtype, device=device)
+                a[g] = torch.zeros(num_slots, cap * lay.d_in, dtype=dtype, device=device)
                 b[g] = torch.zeros(num_slots, max_lora_rank * lay.d_out, dtype=dtype,
                                    device=device)
             self.A.append(a)
@@ -80,6 +91,10 @@ class LoraSlotPool:
         """Packed rank of `group` in `slot` (0: the adapter targets none of its modules)."""
         return self._ranks[slot][group]
 
+    def a_tiles(self, slot: int, group: str) -> tuple[tuple[int, int, int], ...]:
+        """(first rank column, width, offset) of each [d_in, width] tile of the slot's A.T."""
+        return a_tiles(self._ranks[slot][group], self.layouts[group].d_in)
+
     def parts(self, slot: int, group: str) -> tuple[Part, ...]:
         """One expand part (o0, o1, c0, c1, boff) per module of `group` the slot's adapter
         targets: rank rows [o0, o1) of t = x @ A.T produce output columns [c0, c1) through
@@ -99,19 +114,26 @@ class LoraSlotPool:
         mod_ranks = self._validate(weights)
         parts = {g: self._plan_parts(g, mod_ranks) for g in GROUP_NAMES}
         where = {m: part for g in GROUP_NAMES for m, part in parts[g].items()}
+        ranks = {g: max((p[1] for p in parts[g].values()), default=0) for g in GROUP_NAMES}
         self._zero(slot)  # rows and blocks the new adapter does not fill must read as zero
         for layer, mods in enumerate(weights.layers):
+            a_t = {g: torch.zeros(self.layouts[g].d_in, padded_rank(r), dtype=self.dtype)
+                   for g, r in ranks.items() if r}  # the group's packed A.T, [d_in, r]
             for m, mw in mods.items():
                 r = mw.A.shape[0]
                 if r == 0:
                     continue
                 g = MODULE_TO_GROUP[m]
                 o0, o1, c0, c1, boff = where[m]
-                self.A[layer][g][slot, o0 : o0 + r].copy_(mw.A)
+                a_t[g][:, o0 : o0 + r].copy_(mw.A.T)
                 block = self.B[layer][g][slot, boff : boff + (o1 - o0) * (c1 - c0)]
                 block.view(o1 - o0, c1 - c0)[:r].copy_(mw.B.T)
-        self._ranks[slot] = {g: max((p[1] for p in parts[g].values()), default=0)
-                             for g in GROUP_NAMES}
+            for g, full in a_t.items():
+                d_in = self.layouts[g].d_in
+                for t0, w, off in a_tiles(ranks[g], d_in):
+                    self.A[layer][g][slot, off : off + d_in * w].view(d_in, w).copy_(
+                        full[:, t0 : t0 + w])
+        self._ranks[slot] = ranks
         self._parts[slot] = {g: tuple(parts[g].values()) for g in GROUP_NAMES}
 
     # -- internals ---------------------------------------------------------------------------

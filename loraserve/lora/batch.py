@@ -13,13 +13,16 @@ from typing import Protocol
 
 import torch
 
-from loraserve.lora.layout import GROUP_NAMES, GroupLayout, Part
+from loraserve.lora.layout import GROUP_NAMES, GroupLayout, Part, padded_rank
 
 # One expand part as indices: (t_idx, y_idx, b_idx, block shape); t_idx/y_idx None = the whole
 # tensor; group_B[b_idx].view(shape) is the module's block of B.
 PartIndex = tuple[tuple | None, tuple | None, tuple, tuple[int, int]]
-# One segment of one group: (token slice, index of A[s, :r], expand parts).
-SegmentPlan = tuple[slice, tuple, tuple[PartIndex, ...]]
+# One tile of a slot's shrink weights: group_A[idx].view(shape) is a [d_in, w] block of A.T;
+# the tiles of a segment, in order, hold its rank columns [0, padded rank).
+TileIndex = tuple[tuple, tuple[int, int]]
+# One segment of one group: (token slice, A.T tiles, expand parts).
+SegmentPlan = tuple[slice, tuple[TileIndex, ...], tuple[PartIndex, ...]]
 # The short segments of one group for the C kernel (lora/sgmv_cpu.c): int64 (slot, start, end,
 # rank) rows, int64 (segment, o0, o1, c0, c1, boff, row stride) rows, and the widest rank.
 KernelPlan = tuple[torch.Tensor, torch.Tensor, int]
@@ -31,6 +34,8 @@ class SlotRanks(Protocol):
     layouts: dict[str, GroupLayout]
 
     def rank(self, slot: int, group: str) -> int: ...
+
+    def a_tiles(self, slot: int, group: str) -> tuple[tuple[int, int, int], ...]: ...
 
     def parts(self, slot: int, group: str) -> tuple[Part, ...]: ...
 
@@ -85,7 +90,7 @@ class LoraBatch:
         ranks = {s: {g: pool.rank(s, g) for g in GROUP_NAMES} for s in slots}
         plans, kernel_plans = {}, {}
         for g in GROUP_NAMES:
-            d_out = pool.layouts[g].d_out
+            d_in, d_out = pool.layouts[g].d_in, pool.layouts[g].d_out
             plan, k_segs, k_parts = [], [], []
             for s, a, b in segments:
                 r = ranks[s][g]
@@ -97,7 +102,9 @@ class LoraBatch:
                     k_segs.append((s, a, b, r))
                 else:
                     parts = _part_indices(s, r, d_out, pool.parts(s, g))
-                    plan.append((slice(a, b), (s, slice(0, r)), parts))
+                    tiles = tuple(((s, slice(off, off + d_in * w)), (d_in, w))
+                                  for _, w, off in pool.a_tiles(s, g))
+                    plan.append((slice(a, b), tiles, parts))
             if plan:
                 plans[g] = tuple(plan)
             if k_segs:
@@ -117,7 +124,7 @@ class LoraBatch:
 def _part_indices(slot: int, r: int, d_out: int, parts: tuple[Part, ...]) -> tuple[PartIndex, ...]:
     out = []
     for o0, o1, c0, c1, boff in parts:
-        all_rows, all_cols = (o0, o1) == (0, r), (c0, c1) == (0, d_out)
+        all_rows, all_cols = (o0, o1) == (0, padded_rank(r)), (c0, c1) == (0, d_out)  # t is padded
         t_idx = None if all_rows else (slice(None), slice(o0, o1))
         y_idx = None if all_cols else (slice(None), slice(c0, c1))
         b_idx = (slot, slice(boff, boff + (o1 - o0) * (c1 - c0)))

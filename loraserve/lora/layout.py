@@ -21,6 +21,11 @@ GROUPS: dict[str, tuple[str, ...]] = {
 GROUP_NAMES: tuple[str, ...] = tuple(GROUPS)
 MODULE_TO_GROUP: dict[str, str] = {m: g for g, mods in GROUPS.items() for m in mods}
 
+# Shrink weights are stored transposed, in tiles of this many rank columns (the C kernel's
+# register tile, lora/sgmv_cpu.c), and packed ranks are padded to whole 16-float vectors.
+RANK_TILE = 64
+RANK_ALIGN = 16
+
 # One expand part of a packed group (one module): rank rows [o0, o1) of t = x @ A.T produce
 # output columns [c0, c1) of the fused output y, through the [o1 - o0, c1 - c0] block of the
 # slot's B that starts at offset boff (adapters/slot_pool.py).
@@ -42,8 +47,21 @@ class GroupLayout:
         return sum(self.d_outs)
 
     def rank_capacity(self, max_lora_rank: int) -> int:
-        """R_g: rank columns a slot reserves for this group."""
-        return len(self.modules) * max_lora_rank
+        """R_g: rank columns a slot reserves for this group (padded to whole vectors)."""
+        return padded_rank(len(self.modules) * max_lora_rank)
+
+
+def padded_rank(r: int) -> int:
+    """Rank columns a packed rank r occupies: r rounded up to whole vectors (zeros past r)."""
+    return -(-r // RANK_ALIGN) * RANK_ALIGN
+
+
+def a_tiles(r: int, d_in: int) -> tuple[tuple[int, int, int], ...]:
+    """(first rank column, width, offset) of each tile of a slot's shrink weights for packed
+    rank r: tile k holds A.T[:, c0:c0 + w] as a row-major [d_in, w] block at `offset` floats
+    into the slot, so the kernel streams every tile contiguously."""
+    rp = padded_rank(r)
+    return tuple((c0, min(RANK_TILE, rp - c0), c0 * d_in) for c0 in range(0, rp, RANK_TILE))
 
 
 def group_layouts(cfg: ModelConfig) -> dict[str, GroupLayout]:

@@ -15,7 +15,6 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from loraserve.lora.batch import LoraBatch
 from loraserve.lora.layout import GroupLayout
@@ -38,7 +37,7 @@ def apply_lora(
     """y += LoRA delta of `group` for every token that uses an adapter; in place, returns y.
 
     x: [T, d_in] group input; y: [T, d_out_g] fused group output (rows must be contiguous)
-    group_A: [S, R_g, d_in], group_B: [S, max_rank * d_out_g] (LoraSlotPool.A/B[layer][group])
+    group_A: [S, R_g * d_in], group_B: [S, max_rank * d_out_g] (LoraSlotPool.A/B[layer][group])
     kernel: the C library (lora/sgmv_cpu.py) for the batch's `kernel_plans`.
     """
     kplan = batch.kernel_plans.get(group)
@@ -50,9 +49,12 @@ def apply_lora(
     if not plan:  # base-only batch, or no adapter in it targets this group: no work at all
         return y
     onednn = batch.onednn  # 1.3-2x MKL's sgemm on long segments here (model/linear.py)
-    linear = onednn_linear if onednn else F.linear
-    for xs, a_idx, parts in plan:
-        t = linear(x[xs], group_A[a_idx])  # t: [n, r] = x[a:b] @ A[s, :r].T
+    for xs, tiles, parts in plan:
+        xseg = x[xs]
+        # t: [n, padded rank] = x[a:b] @ A.T, one matmul per [d_in, <= 64] tile of A.T
+        ts = [onednn_linear(xseg, group_A[idx].view(shape).t()) if onednn
+              else torch.mm(xseg, group_A[idx].view(shape)) for idx, shape in tiles]
+        t = ts[0] if len(ts) == 1 else torch.cat(ts, dim=1)
         ys = y[xs]  # ys: [n, d_out_g], a view: in-place updates write through
         for t_idx, y_idx, b_idx, shape in parts:
             # ys[:, c0:c1] += t[:, o0:o1] @ (the module's [o1 - o0, c1 - c0] block of B[s])

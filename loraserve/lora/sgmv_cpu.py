@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from loraserve.lora.layout import padded_rank
 from loraserve.model.bundled import cache_root
 
 log = logging.getLogger(__name__)
@@ -95,14 +96,15 @@ def sgmv(lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor, A: torch.Tensor,
          B: torch.Tensor, segs: torch.Tensor, parts: torch.Tensor, max_rank: int) -> None:
     """y += segmented LoRA delta, in place (see sgmv_cpu.c for the argument layout).
 
-    x: [T, d_in], y: [T, d_out] float32 with unit column stride; A: [S, R, d_in] and
+    x: [T, d_in], y: [T, d_out] float32 with unit column stride; A: [S, R * d_in] and
     B: [S, block floats] contiguous; segs int64 [n, 4]; parts int64 [m, 7]."""
     if x.stride(1) != 1 or y.stride(1) != 1 or not (A.is_contiguous() and B.is_contiguous()):
         raise ValueError("sgmv needs unit column strides and contiguous A/B")
-    t = torch.empty(x.shape[0], max_rank, dtype=torch.float32)
+    ldt = padded_rank(max_rank)  # the kernel writes whole 16-float vectors of t
+    t = torch.empty(x.shape[0], ldt, dtype=torch.float32)
     rc = lib.lora_sgmv(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0),
-                       A.data_ptr(), A.stride(0), A.shape[2], B.data_ptr(), B.stride(0),
+                       A.data_ptr(), A.stride(0), x.shape[1], B.data_ptr(), B.stride(0),
                        segs.data_ptr(), segs.shape[0], parts.data_ptr(),
-                       parts.shape[0], t.data_ptr(), max_rank, torch.get_num_threads())
+                       parts.shape[0], t.data_ptr(), ldt, torch.get_num_threads())
     if rc != 0:
         raise ValueError("a segment's rank exceeds the scratch width")
