@@ -105,41 +105,32 @@ static void shrink_tokens(const float *x, int64_t ldx, const float *at, int64_t 
  * store-bound; per 8 rows, bound by moving y through L2/L3 on long segments). */
 #define PF_ROWS 8 /* software prefetch distance, in rows of B */
 
-/* 16 named accumulators: GCC keeps these in zmm registers (an a[4][4] array went to the stack). */
-#define LD4(a, p) v16 a##0 = ld(p), a##1 = ld((p) + 16), a##2 = ld((p) + 32), a##3 = ld((p) + 48)
-#define ST4(p, a) (st(p, a##0), st((p) + 16, a##1), st((p) + 32, a##2), st((p) + 48, a##3))
-#define FMA4(a, s) (a##0 += (s) * b0, a##1 += (s) * b1, a##2 += (s) * b2, a##3 += (s) * b3)
+/* NT tokens x 64 columns: 4*NT named accumulators (GCC keeps them in zmm registers; an
+ * a[4][4] array went to the stack), NT a constant in every instantiation. */
+#define YLD(k) v16 y##k##0 = {0}, y##k##1 = {0}, y##k##2 = {0}, y##k##3 = {0};             \
+    if (NT > k) { const float *p = y + (k) * ldy; y##k##0 = ld(p); y##k##1 = ld(p + 16);   \
+                  y##k##2 = ld(p + 32); y##k##3 = ld(p + 48); }
+#define YFMA(k) do { if (NT > k) { v16 s = (v16){0} + t[(k) * ldt + j];                   \
+    y##k##0 += s * b0; y##k##1 += s * b1; y##k##2 += s * b2; y##k##3 += s * b3; } } while (0)
+#define YST(k) do { if (NT > k) { float *p = y + (k) * ldy; st(p, y##k##0);               \
+    st(p + 16, y##k##1); st(p + 32, y##k##2); st(p + 48, y##k##3); } } while (0)
 
-static void expand_tile4(const float *t, int64_t ldt, const float *blk, int64_t ldp,
-                         int64_t o0, int64_t o1, int64_t c, int64_t tok,
-                         float *y, int64_t ldy, int pf) {
-    float *y0 = y + tok * ldy + c, *y1 = y0 + ldy, *y2 = y1 + ldy, *y3 = y2 + ldy;
-    const float *t0 = t + tok * ldt, *t1 = t0 + ldt, *t2 = t1 + ldt, *t3 = t2 + ldt;
-    LD4(p, y0); LD4(q, y1); LD4(r, y2); LD4(u, y3);
-    for (int64_t j = o0; j < o1; j++) {
-        const float *b = blk + (j - o0) * ldp + c;
+/* y[0:NT, 0:64] += t[0:NT, o0:o1] @ b[0:o1-o0, 0:64] (t, y at the tile's first token and
+ * column; b's rows ldp apart). */
+static inline __attribute__((always_inline)) void
+expand_tile(const float *t, int64_t ldt, const float *b, int64_t ldp, int64_t o0, int64_t o1,
+            float *y, int64_t ldy, int pf, const int NT) {
+    YLD(0) YLD(1) YLD(2) YLD(3) YLD(4) YLD(5)
+    for (int64_t j = o0; j < o1; j++, b += ldp) {
         if (pf && j + PF_ROWS < o1) { /* on the first pass over this strip of B */
             const float *p = b + PF_ROWS * ldp;
             __builtin_prefetch(p, 0, 0), __builtin_prefetch(p + 16, 0, 0);
             __builtin_prefetch(p + 32, 0, 0), __builtin_prefetch(p + 48, 0, 0);
         }
-        LD4(b, b);
-        FMA4(p, t0[j]); FMA4(q, t1[j]); FMA4(r, t2[j]); FMA4(u, t3[j]);
+        v16 b0 = ld(b), b1 = ld(b + 16), b2 = ld(b + 32), b3 = ld(b + 48);
+        YFMA(0); YFMA(1); YFMA(2); YFMA(3); YFMA(4); YFMA(5);
     }
-    ST4(y0, p); ST4(y1, q); ST4(y2, r); ST4(y3, u);
-}
-
-static void expand_tile1(const float *t, int64_t ldt, const float *blk, int64_t ldp,
-                         int64_t o0, int64_t o1, int64_t c, int64_t tok, float *y, int64_t ldy) {
-    float *yr = y + tok * ldy + c;
-    const float *tr = t + tok * ldt;
-    v16 a0 = ld(yr), a1 = ld(yr + 16), a2 = ld(yr + 32), a3 = ld(yr + 48);
-    for (int64_t j = o0; j < o1; j++) {
-        const float *b = blk + (j - o0) * ldp + c;
-        const float s = tr[j];
-        a0 += s * ld(b); a1 += s * ld(b + 16); a2 += s * ld(b + 32); a3 += s * ld(b + 48);
-    }
-    st(yr, a0); st(yr + 16, a1); st(yr + 32, a2); st(yr + 48, a3);
+    YST(0); YST(1); YST(2); YST(3); YST(4); YST(5);
 }
 
 /* y[tok, c0:c0+n) += t[tok, o0:o1] @ blk for tokens [tok0, tok1), where blk is the part's
@@ -148,11 +139,22 @@ static void expand_rows(const float *t, int64_t ldt, const float *blk, int64_t l
                         int64_t o0, int64_t o1, int64_t c0, int64_t n, int64_t tok0,
                         int64_t tok1, float *y, int64_t ldy) {
     int64_t n64 = n / 64 * 64;
-    for (int64_t c = 0; c < n64; c += 64) { /* a 64-column strip of B: r x 256 B, L1-resident */
-        int64_t tok = tok0;
-        for (; tok + 4 <= tok1; tok += 4)
-            expand_tile4(t, ldt, blk, ldp, o0, o1, c, tok, y + c0, ldy, tok == tok0);
-        for (; tok < tok1; tok++) expand_tile1(t, ldt, blk, ldp, o0, o1, c, tok, y + c0, ldy);
+    for (int64_t tok = tok0; tok < tok1;) {
+        const int64_t nt = tok1 - tok < 6 ? tok1 - tok : 6;
+        for (int64_t c = 0; c < n64; c += 64) {
+            const float *tt = t + tok * ldt;
+            float *yt = y + tok * ldy + c0 + c;
+            const int pf = tok == tok0;
+            switch (nt) {
+            case 1: expand_tile(tt, ldt, blk + c, ldp, o0, o1, yt, ldy, pf, 1); break;
+            case 2: expand_tile(tt, ldt, blk + c, ldp, o0, o1, yt, ldy, pf, 2); break;
+            case 3: expand_tile(tt, ldt, blk + c, ldp, o0, o1, yt, ldy, pf, 3); break;
+            case 4: expand_tile(tt, ldt, blk + c, ldp, o0, o1, yt, ldy, pf, 4); break;
+            case 5: expand_tile(tt, ldt, blk + c, ldp, o0, o1, yt, ldy, pf, 5); break;
+            default: expand_tile(tt, ldt, blk + c, ldp, o0, o1, yt, ldy, pf, 6); break;
+            }
+        }
+        tok += nt;
     }
     for (int64_t tok = tok0; tok < tok1; tok++) /* columns past the last 64-wide strip */
         for (int64_t c = n64; c < n; c++) {
