@@ -5,7 +5,10 @@ seven modules. Compares: loraserve with every adapter mixed in one batch; PEFT's
 `generate(adapter_names=...)`; PEFT one adapter at a time (`set_adapter`, each adapter's
 requests as one batch: the S-LoRA paper's baseline); loraserve base-only on the same prompts.
 
-    .venv/bin/python benchmarks/multi_lora.py [--reps 1]
+    .venv/bin/python benchmarks/multi_lora.py [--reps 1] [--pairs 4]
+
+multi_vs_base is the median over back-to-back pairs of runs (each pair's base-only time over
+its multi-adapter time), so the machine's drift between pairs cancels.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ def run_peft_sequential(peft_model, prompts, loras, out_len: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=1, help="PEFT runs of each kind")
+    ap.add_argument("--pairs", type=int, default=4, help="back-to-back multi/base runs of ours")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--num-adapters", type=int, default=16)
@@ -69,25 +73,37 @@ def main() -> None:
     time_ours(llm, prompts[: len(names)], 4, names)
     runs: dict[str, list[float]] = {"ours_multi": [], "ours_base": [], "peft_mixed": [],
                                     "peft_sequential": []}
+    # Ours, multi and base-only back to back in alternating order (this machine's speed drifts
+    # by 20% over a minute, so each pair's ratio is the robust figure); then PEFT's runs.
+    pair_ratios = []
+    for i in range(args.pairs):
+        order = ("ours_multi", "ours_base") if i % 2 == 0 else ("ours_base", "ours_multi")
+        for k in order:
+            runs[k].append(time_ours(llm, prompts, args.output_len,
+                                     loras if k == "ours_multi" else None))
+        pair_ratios.append(runs["ours_base"][-1] / runs["ours_multi"][-1])
+        print(f"pair {i}: multi {runs['ours_multi'][-1]:.1f}s  base {runs['ours_base'][-1]:.1f}s"
+              f"  multi/base throughput {pair_ratios[-1]:.3f}", flush=True)
     for i in range(args.reps):
-        runs["ours_multi"].append(time_ours(llm, prompts, args.output_len, loras))
         runs["peft_mixed"].append(time_hf(peft, prompts, args.output_len, adapter_names=loras))
-        runs["ours_base"].append(time_ours(llm, prompts, args.output_len))
         runs["peft_sequential"].append(run_peft_sequential(peft, prompts, loras,
                                                            args.output_len))
-        print(f"rep {i}: " + "  ".join(f"{k} {v[-1]:.1f}s" for k, v in runs.items()),
-              flush=True)
+        print(f"peft rep {i}: mixed {runs['peft_mixed'][-1]:.1f}s  "
+              f"sequential {runs['peft_sequential'][-1]:.1f}s", flush=True)
     tok_s = {k: n_out / median(v) for k, v in runs.items()}
     res = {
         "workload": vars(args),
         "tok_s": tok_s,
         "ratio_vs_peft_mixed": tok_s["ours_multi"] / tok_s["peft_mixed"],
         "ratio_vs_peft_sequential": tok_s["ours_multi"] / tok_s["peft_sequential"],
-        "multi_vs_base": tok_s["ours_multi"] / tok_s["ours_base"],
+        "multi_vs_base": median(pair_ratios),
+        "multi_vs_base_per_pair": pair_ratios,
+        "multi_vs_base_of_medians": tok_s["ours_multi"] / tok_s["ours_base"],
     }
     for k, v in tok_s.items():
         print(f"{k:18s} {v:8.1f} output tok/s")
-    for k in ("ratio_vs_peft_mixed", "ratio_vs_peft_sequential", "multi_vs_base"):
+    for k in ("ratio_vs_peft_mixed", "ratio_vs_peft_sequential", "multi_vs_base",
+              "multi_vs_base_of_medians"):
         print(f"{k:26s} {res[k]:.2f}")
     print("wrote", write_result("multi_lora", res))
 
