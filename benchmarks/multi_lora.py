@@ -47,6 +47,10 @@ def main() -> None:
     ap.add_argument("--num-adapters", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--adapter-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="dtype of the adapter files (bf16: as adapters trained in bf16 are)")
+    ap.add_argument("--lora-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="loraserve's lora_dtype: adapter weights in compute memory")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from peft import PeftModel
@@ -54,10 +58,12 @@ def main() -> None:
 
     model_dir = default_model_dir()
     tmp = Path(tempfile.mkdtemp(prefix="loraserve-bench-"))
-    paths = make_synthetic_adapters(model_dir, tmp, args.num_adapters, ranks=(8, 16, 32, 64))
+    paths = make_synthetic_adapters(model_dir, tmp, args.num_adapters, ranks=(8, 16, 32, 64),
+                                    dtype=args.adapter_dtype)
     names = [p.name for p in paths]
     llm = LLM(model_dir, lora_paths={p.name: str(p) for p in paths},
-              max_loras_per_batch=args.num_adapters, max_lora_rank=64)
+              max_loras_per_batch=args.num_adapters, max_lora_rank=64,
+              lora_dtype=args.lora_dtype)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     peft = PeftModel.from_pretrained(base, str(paths[0]), adapter_name=names[0])
     for p in paths[1:]:
@@ -105,7 +111,10 @@ def main() -> None:
     for k in ("ratio_vs_peft_mixed", "ratio_vs_peft_sequential", "multi_vs_base",
               "multi_vs_base_of_medians"):
         print(f"{k:26s} {res[k]:.2f}")
-    print("wrote", write_result("multi_lora", res))
+    name = "multi_lora"
+    if (args.adapter_dtype, args.lora_dtype) != ("float32", "auto"):
+        name += f"-adapters_{args.adapter_dtype}-lora_dtype_{args.lora_dtype}"
+    print("wrote", write_result(name, res))
 
 
 if __name__ == "__main__":

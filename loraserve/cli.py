@@ -24,6 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-loras-per-batch", type=int, default=8)
     p.add_argument("--max-loaded-loras", type=int, default=None)
     p.add_argument("--max-lora-rank", type=int, default=64)
+    p.add_argument("--lora-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="adapter weights in compute memory (auto: the model's, float32)")
     p.add_argument("--max-loras-prefetch", type=int, default=0)
     p.add_argument("--allow-pickle-adapters", action="store_true",
                    help="also read adapter_model.bin (pickle: runs code from the file)")
@@ -39,6 +41,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_loras_per_batch=args.max_loras_per_batch,
         max_loaded_loras=args.max_loaded_loras,
         max_lora_rank=args.max_lora_rank,
+        lora_dtype=args.lora_dtype,
         max_loras_prefetch=args.max_loras_prefetch,
         allow_pickle_adapters=args.allow_pickle_adapters,
         kv_cache_tokens=args.kv_cache_tokens,

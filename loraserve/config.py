@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 # The LoRA-targetable linear modules of a Llama-family decoder layer, in HF naming.
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -91,6 +93,9 @@ class ModelConfig:
         return self.num_hidden_layers * per_layer + emb * (1 if self.tie_word_embeddings else 2)
 
 
+LORA_DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The engine's knobs; names follow SGLang/vLLM."""
@@ -98,6 +103,10 @@ class EngineConfig:
     max_loras_per_batch: int = 8  # distinct adapters per batch (base counts as one) = LoRA slots
     max_loaded_loras: int | None = None  # adapters kept in host memory; None = unbounded
     max_lora_rank: int = 64
+    # adapter weights in compute memory: "auto" = the model's dtype (float32 here), or
+    # "bfloat16": half the memory and decode traffic, exact for adapters trained in bf16,
+    # rounds float32 ones (vLLM's --lora-dtype); LoRA arithmetic stays float32 either way
+    lora_dtype: str = "auto"
     max_loras_prefetch: int = 0  # spare slots filled ahead of time from the waiting queue
     allow_pickle_adapters: bool = False
     kv_cache_tokens: int = 32768  # KV pool size in tokens
@@ -116,10 +125,17 @@ class EngineConfig:
             raise ValueError("max_loaded_loras must be >= 1 or None")
         if self.max_lora_rank < 1:
             raise ValueError("max_lora_rank must be >= 1")
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {sorted(LORA_DTYPES)}, "
+                             f"got {self.lora_dtype!r}")
         if self.max_loras_prefetch < 0:
             raise ValueError("max_loras_prefetch must be >= 0")
         if self.kv_cache_tokens < self.block_size:
             raise ValueError("kv_cache_tokens must hold at least one block")
+
+    @property
+    def lora_torch_dtype(self) -> torch.dtype:
+        return LORA_DTYPES[self.lora_dtype]
 
     @property
     def num_lora_slots(self) -> int:

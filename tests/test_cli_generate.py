@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from loraserve import LLM, SamplingParams
@@ -36,3 +37,14 @@ def test_cli_generate_json_equals_offline_api(tiny_model_dir):
         assert line["token_ids"] == out.token_ids and len(out.token_ids) >= 1
         assert line["text"] == out.text
         assert line["finish_reason"] == out.finish_reason.value
+
+
+def test_lora_dtype_knob_from_cli_to_config():
+    from loraserve.cli import build_parser, engine_kwargs
+    from loraserve.config import EngineConfig
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--lora-dtype", "bfloat16"])
+    assert EngineConfig(**engine_kwargs(args)).lora_torch_dtype == torch.bfloat16
+    assert EngineConfig().lora_torch_dtype == torch.float32  # auto: the model's dtype
+    with pytest.raises(ValueError, match="lora_dtype must be one of"):
+        EngineConfig(lora_dtype="float8")

@@ -75,7 +75,7 @@ def full_pool() -> LoraSlotPool:
 
 
 def check_all_groups(pool: LoraSlotPool, seqs, slot_weights, seed: int = 0,
-                     path: str = "torch") -> None:
+                     path: str = "torch", kernel=KERNEL) -> None:
     """apply_lora == lora_reference for every layer and group of a batch of sequences."""
     batch = LoraBatch.build(seqs, pool, PATHS[path])
     token_slots = batch.token_slots()
@@ -87,7 +87,7 @@ def check_all_groups(pool: LoraSlotPool, seqs, slot_weights, seed: int = 0,
             y = torch.randn(batch.num_tokens, lay.d_out, generator=g)  # y: [T, d_out_g]
             want = lora_reference(x, y.clone(), mods, lay)
             got = apply_lora(x, y.clone(), pool.A[layer][name], pool.B[layer][name], batch, name,
-                             KERNEL)
+                             kernel)
             torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
 
 
@@ -118,6 +118,31 @@ def test_long_segments_and_every_tile_shape(path):
     pool = full_pool()
     seqs = [(8, 131), (None, 3), (4, 61), (0, 6), (5, 17), (1, 2), (2, 64), (3, 5), (6, 9)]
     check_all_groups(pool, seqs, ADAPTERS, seed=7, path=path)
+
+
+def rounded_to_bf16(w: LoraAdapterWeights) -> LoraAdapterWeights:
+    """The adapter as a bf16 pool holds it: every weight rounded to bfloat16 (B after its
+    scale), then widened back; the arithmetic stays float32."""
+    def r(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.bfloat16).float()
+    layers = tuple({m: LoraModuleWeights(A=r(mw.A), B=r(mw.B), rank=mw.rank, scale=mw.scale)
+                    for m, mw in mods.items()} for mods in w.layers)
+    return LoraAdapterWeights(w.path, w.rank, w.target_modules, layers, w.nbytes, w.fingerprint)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_bf16_pool_equals_the_op_on_rounded_weights(path):
+    pool = LoraSlotPool(CFG, len(ADAPTERS), MAX_RANK, dtype=torch.bfloat16)
+    for s, w in enumerate(ADAPTERS):
+        pool.write(s, w)
+    assert pool.A[0]["qkv"].dtype == pool.B[0]["qkv"].dtype == torch.bfloat16
+    kernel = sgmv_cpu.load(torch.bfloat16)
+    assert kernel is not None and kernel is not KERNEL
+    seqs = [(8, 70), (None, 3), (4, 1), (0, 6), (5, 17), (1, 2), (2, 1), (3, 5), (6, 4), (7, 1)]
+    check_all_groups(pool, seqs, [rounded_to_bf16(w) for w in ADAPTERS], seed=3, path=path,
+                     kernel=kernel)
+    with pytest.raises(ValueError, match="bfloat16"):  # a float32 kernel on bf16 weights
+        check_all_groups(pool, [(0, 2)], ADAPTERS, path="kernel", kernel=KERNEL)
 
 
 @pytest.mark.parametrize("path", list(PATHS))

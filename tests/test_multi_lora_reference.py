@@ -15,8 +15,10 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 from adapter_factory import build_peft_model, load_base_model
 from lora_reference import hf_greedy as greedy
+from safetensors.torch import load_file
 
 from loraserve import LLM, SamplingParams
 from loraserve.config import ATTN_MODULES, LORA_MODULES, MLP_MODULES
@@ -193,3 +195,38 @@ def test_bundled_mixed_batch_equals_peft(bundled_model_dir, tmp_path):
                                max_loras_per_batch=2, max_num_batched_tokens=8)
     assert max(trace.distinct) <= 2 and trace.chunks > 0
     assert {k: o.token_ids for k, o in outs.items()} == refs
+
+
+def test_tiny_bf16_adapters_are_exact_with_bf16_lora_dtype(tiny_model_dir, tmp_path):
+    # Adapters trained in bf16 ship bf16 weights; lora_dtype="bfloat16" stores them as they
+    # are (scales alpha/r and alpha/sqrt(r) here are powers of two, so B * scale is exact
+    # too): the same tokens as PEFT, and as our float32 pool.
+    specs = {"bf-all-r8": dict(r=8, lora_alpha=16, target_modules=LORA_MODULES, seed=21),
+             "bf-mlp-r16-rslora": dict(r=16, lora_alpha=8, use_rslora=True,
+                                       target_modules=MLP_MODULES, seed=22)}
+    rng = random.Random(3)
+    prompts = {g: [[rng.randrange(4, 512) for _ in range(n)] for n in (5, 17)]
+               for g in (*specs, None)}
+    paths, refs = {}, {}
+    for name, spec in specs.items():
+        model = build_peft_model(tiny_model_dir, **spec)
+        lora_params = [p for n, p in model.named_parameters() if "lora_" in n]
+        for p in lora_params:
+            p.data = p.data.to(torch.bfloat16).float()  # bf16-representable, computed in fp32
+        for i, p in enumerate(prompts[name]):
+            refs[(name, i)] = greedy(model, p, MAX_TOKENS)
+        for p in lora_params:
+            p.data = p.data.to(torch.bfloat16)  # saved as bf16, as bf16 training leaves them
+        paths[name] = str(tmp_path / name)
+        model.save_pretrained(paths[name], safe_serialization=True)
+        saved = load_file(Path(paths[name]) / "adapter_model.safetensors")
+        assert {t.dtype for t in saved.values()} == {torch.bfloat16}
+    base = load_base_model(tiny_model_dir)
+    for i, p in enumerate(prompts[None]):
+        refs[(None, i)] = greedy(base, p, MAX_TOKENS)
+    for lora_dtype in ("bfloat16", "auto"):
+        outs, _, llm = run_mixed(tiny_model_dir, paths, prompts, MAX_TOKENS,
+                                 lora_dtype=lora_dtype)
+        assert llm.engine.slot_pool.dtype == (torch.bfloat16 if lora_dtype == "bfloat16"
+                                              else torch.float32)
+        assert {key: out.token_ids for key, out in outs.items()} == refs, lora_dtype

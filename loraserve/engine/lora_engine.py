@@ -33,7 +33,8 @@ class LoraEngine(LLMEngine):
     def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None):
         super().__init__(model, config)
         c = self.config
-        self.slot_pool = LoraSlotPool(self.model_config, c.num_lora_slots, c.max_lora_rank)
+        self.slot_pool = LoraSlotPool(self.model_config, c.num_lora_slots, c.max_lora_rank,
+                                      dtype=c.lora_torch_dtype)
         loader = HostLoader(self.read_adapter)
         self.adapters = AdapterStore(self.slot_pool, loader,
                                      max_loras_per_batch=c.max_loras_per_batch,
@@ -104,7 +105,7 @@ class LoraEngine(LLMEngine):
         return -1 if req.adapter_uid is None else self._slot_by_uid[req.adapter_uid]
 
     def _lora_factory(self):
-        return partial(_make_hook, self.slot_pool, sgmv_cpu.load())
+        return partial(_make_hook, self.slot_pool, sgmv_cpu.load(self.slot_pool.dtype))
 
 
 def _make_hook(pool: LoraSlotPool, kernel, segments: list[tuple[int, int]]):

@@ -52,14 +52,15 @@ def apply_lora(
     for xs, tiles, parts in plan:
         xseg = x[xs]
         # t: [n, padded rank] = x[a:b] @ A.T, one matmul per [d_in, <= 64] tile of A.T
-        ts = [onednn_linear(xseg, group_A[idx].view(shape).t()) if onednn
-              else torch.mm(xseg, group_A[idx].view(shape)) for idx, shape in tiles]
+        # (.to: bf16-stored weights are widened per call on this fallback path)
+        ts = [onednn_linear(xseg, group_A[idx].view(shape).to(x.dtype).t()) if onednn
+              else torch.mm(xseg, group_A[idx].view(shape).to(x.dtype)) for idx, shape in tiles]
         t = ts[0] if len(ts) == 1 else torch.cat(ts, dim=1)
         ys = y[xs]  # ys: [n, d_out_g], a view: in-place updates write through
         for t_idx, y_idx, b_idx, shape in parts:
             # ys[:, c0:c1] += t[:, o0:o1] @ (the module's [o1 - o0, c1 - c0] block of B[s])
             out = ys if y_idx is None else ys[y_idx]
-            tp, block = (t if t_idx is None else t[t_idx]), group_B[b_idx].view(shape)
+            tp, block = (t if t_idx is None else t[t_idx]), group_B[b_idx].view(shape).to(x.dtype)
             if onednn:
                 out.add_(onednn_linear(tp, block.t()))
             else:

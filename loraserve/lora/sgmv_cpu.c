@@ -23,11 +23,32 @@ typedef float v16 __attribute__((vector_size(64)));
 
 static inline v16 ld(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 static inline void st(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-static inline float hsum(v16 v) {
-    float s = 0.f;
-    for (int i = 0; i < 16; i++) s += v[i];
-    return s;
+
+/* Adapter weights (A, B) are float32, or with -DLORA_BF16 bfloat16: the upper 16 bits of a
+ * float32, widened exactly on load; x, t, y and all arithmetic stay float32. */
+#ifdef LORA_BF16
+typedef uint16_t wt;
+typedef uint16_t h16 __attribute__((vector_size(32)));
+typedef uint32_t u16 __attribute__((vector_size(64)));
+static inline v16 ldw(const wt *p) {
+    h16 h;
+    memcpy(&h, p, sizeof h);
+    u16 u = __builtin_convertvector(h, u16) << 16;
+    v16 v;
+    memcpy(&v, &u, sizeof v);
+    return v;
 }
+static inline float wf(wt w) {
+    uint32_t u = (uint32_t)w << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+#else
+typedef float wt;
+static inline v16 ldw(const wt *p) { return ld(p); }
+static inline float wf(wt w) { return w; }
+#endif
 
 #define RANK_TILE 64   /* shrink: rank columns per A tile (4 vectors) */
 #define TOK_CHUNK 60   /* shrink work item: tokens of one segment against one A tile */
@@ -52,7 +73,7 @@ static int64_t pad16(int64_t r) { return (r + 15) / 16 * 16; }
     if (NV > 3) st(o + 48, c##k##3); } } while (0)
 
 static inline __attribute__((always_inline)) void
-shrink_tile(const float *x, int64_t ldx, const float *at, int64_t d_in, float *t, int64_t ldt,
+shrink_tile(const float *x, int64_t ldx, const wt *at, int64_t d_in, float *t, int64_t ldt,
             int pf, const int NT, const int NV) {
     const int64_t lda = 16 * NV;
     const float *x0 = x, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx, *x4 = x3 + ldx,
@@ -60,13 +81,13 @@ shrink_tile(const float *x, int64_t ldx, const float *at, int64_t d_in, float *t
     ACC(0); ACC(1); ACC(2); ACC(3); ACC(4); ACC(5);
     v16 b1 = {0}, b2 = {0}, b3 = {0};
     for (int64_t i = 0; i < d_in; i++) {
-        const float *ar = at + i * lda;
+        const wt *ar = at + i * lda;
         if (pf) /* first pass over this tile, from memory: fetch 8 rows ahead */
             for (int v = 0; v < NV; v++) __builtin_prefetch(ar + 8 * lda + 16 * v, 0, 0);
-        v16 b0 = ld(ar);
-        if (NV > 1) b1 = ld(ar + 16);
-        if (NV > 2) b2 = ld(ar + 32);
-        if (NV > 3) b3 = ld(ar + 48);
+        v16 b0 = ldw(ar);
+        if (NV > 1) b1 = ldw(ar + 16);
+        if (NV > 2) b2 = ldw(ar + 32);
+        if (NV > 3) b3 = ldw(ar + 48);
         FMAT(0); FMAT(1); FMAT(2); FMAT(3); FMAT(4); FMAT(5);
     }
     STT(0); STT(1); STT(2); STT(3); STT(4); STT(5);
@@ -81,7 +102,7 @@ shrink_tile(const float *x, int64_t ldx, const float *at, int64_t d_in, float *t
     }
 
 /* t[tok0:tok1, 0:16*nv] = x[tok0:tok1] @ at, 6 tokens at a time (24 accumulators). */
-static void shrink_tokens(const float *x, int64_t ldx, const float *at, int64_t d_in, int nv,
+static void shrink_tokens(const float *x, int64_t ldx, const wt *at, int64_t d_in, int nv,
                           int64_t tok0, int64_t tok1, float *t, int64_t ldt) {
     for (int64_t tok = tok0; tok < tok1;) {
         const int64_t nt = tok1 - tok < 6 ? tok1 - tok : 6;
@@ -118,16 +139,16 @@ static void shrink_tokens(const float *x, int64_t ldx, const float *at, int64_t 
 /* y[0:NT, 0:64] += t[0:NT, o0:o1] @ b[0:o1-o0, 0:64] (t, y at the tile's first token and
  * column; b's rows ldp apart). */
 static inline __attribute__((always_inline)) void
-expand_tile(const float *t, int64_t ldt, const float *b, int64_t ldp, int64_t o0, int64_t o1,
+expand_tile(const float *t, int64_t ldt, const wt *b, int64_t ldp, int64_t o0, int64_t o1,
             float *y, int64_t ldy, int pf, const int NT) {
     YLD(0) YLD(1) YLD(2) YLD(3) YLD(4) YLD(5)
     for (int64_t j = o0; j < o1; j++, b += ldp) {
         if (pf && j + PF_ROWS < o1) { /* on the first pass over this strip of B */
-            const float *p = b + PF_ROWS * ldp;
+            const wt *p = b + PF_ROWS * ldp;
             __builtin_prefetch(p, 0, 0), __builtin_prefetch(p + 16, 0, 0);
             __builtin_prefetch(p + 32, 0, 0), __builtin_prefetch(p + 48, 0, 0);
         }
-        v16 b0 = ld(b), b1 = ld(b + 16), b2 = ld(b + 32), b3 = ld(b + 48);
+        v16 b0 = ldw(b), b1 = ldw(b + 16), b2 = ldw(b + 32), b3 = ldw(b + 48);
         YFMA(0); YFMA(1); YFMA(2); YFMA(3); YFMA(4); YFMA(5);
     }
     YST(0); YST(1); YST(2); YST(3); YST(4); YST(5);
@@ -135,7 +156,7 @@ expand_tile(const float *t, int64_t ldt, const float *b, int64_t ldp, int64_t o0
 
 /* y[tok, c0:c0+n) += t[tok, o0:o1] @ blk for tokens [tok0, tok1), where blk is the part's
  * [o1-o0, n] block of B (row stride ldp). */
-static void expand_rows(const float *t, int64_t ldt, const float *blk, int64_t ldp,
+static void expand_rows(const float *t, int64_t ldt, const wt *blk, int64_t ldp,
                         int64_t o0, int64_t o1, int64_t c0, int64_t n, int64_t tok0,
                         int64_t tok1, float *y, int64_t ldy) {
     int64_t n64 = n / 64 * 64;
@@ -159,14 +180,14 @@ static void expand_rows(const float *t, int64_t ldt, const float *blk, int64_t l
     for (int64_t tok = tok0; tok < tok1; tok++) /* columns past the last 64-wide strip */
         for (int64_t c = n64; c < n; c++) {
             float acc = y[tok * ldy + c0 + c];
-            for (int64_t j = o0; j < o1; j++) acc += t[tok * ldt + j] * blk[(j - o0) * ldp + c];
+            for (int64_t j = o0; j < o1; j++) acc += t[tok * ldt + j] * wf(blk[(j - o0) * ldp + c]);
             y[tok * ldy + c0 + c] = acc;
         }
 }
 
 int lora_sgmv(const float *x, int64_t ldx, float *y, int64_t ldy,
-              const float *A, int64_t a_slot, int64_t d_in,
-              const float *B, int64_t b_slot,
+              const wt *A, int64_t a_slot, int64_t d_in,
+              const wt *B, int64_t b_slot,
               const int64_t *segs, int64_t nseg, const int64_t *parts, int64_t npart,
               float *t, int64_t ldt, int nthreads) {
     /* Work items are numbered across segments (shrink) and parts (expand); each phase is
@@ -194,7 +215,7 @@ int lora_sgmv(const float *x, int64_t ldx, float *y, int64_t ldy,
             int64_t tile = (item - base) / nchunk, chunk = (item - base) % nchunk;
             int64_t c0 = tile * RANK_TILE, w = rpad - c0 < RANK_TILE ? rpad - c0 : RANK_TILE;
             int64_t tok0 = g[1] + chunk * TOK_CHUNK, tok1 = tok0 + TOK_CHUNK < g[2] ? tok0 + TOK_CHUNK : g[2];
-            const float *at = A + g[0] * a_slot + c0 * d_in; /* tile: [d_in, w] row-major */
+            const wt *at = A + g[0] * a_slot + c0 * d_in; /* tile: [d_in, w] row-major */
             shrink_tokens(x, ldx, at, d_in, (int)(w / 16), tok0, tok1, t + c0, ldt);
         }
         /* implicit barrier: every t row is complete before any expand reads it */
@@ -206,7 +227,7 @@ int lora_sgmv(const float *x, int64_t ldx, float *y, int64_t ldy,
             const int64_t *q = parts + PW * p, *g = segs + 4 * q[0];
             int64_t dc = (item - base) * COL_CHUNK, c0 = q[3] + dc;
             int64_t c1 = c0 + COL_CHUNK < q[4] ? c0 + COL_CHUNK : q[4];
-            const float *blk = B + g[0] * b_slot + q[5] + dc;
+            const wt *blk = B + g[0] * b_slot + q[5] + dc;
             expand_rows(t, ldt, blk, q[6], q[1], q[2], c0, c1 - c0, g[1], g[2], y, ldy);
         }
     }

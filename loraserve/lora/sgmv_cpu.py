@@ -32,9 +32,11 @@ SOURCE = Path(__file__).with_name("sgmv_cpu.c")
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC",
           "-std=c11"]
 
+# adapter weight dtype -> extra compiler flags of its build (the kernel widens bf16 on load)
+WEIGHT_FLAGS = {torch.float32: [], torch.bfloat16: ["-DLORA_BF16"]}
+
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
+_libs: dict[torch.dtype, ctypes.CDLL | None] = {}
 
 
 def _cpu_id() -> str:
@@ -46,10 +48,10 @@ def _cpu_id() -> str:
     return platform.machine() + flags
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, flags: list[str]) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, _cpu_id(), *CFLAGS])
-                         .encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, _cpu_id(), *CFLAGS,
+                                    *flags]).encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / f"sgmv_cpu-{key}.so"
     if out.exists():
         return out
@@ -57,8 +59,8 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True,
-                       text=True)
+        subprocess.run([cc, *CFLAGS, *flags, str(SOURCE), "-o", tmp], check=True,
+                       capture_output=True, text=True)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -66,20 +68,20 @@ def _build(cc: str) -> Path:
     return out
 
 
-def load() -> ctypes.CDLL | None:
-    """The kernel library, building it on first use; None when it cannot be had."""
-    global _lib, _tried
+def load(weight_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
+    """The kernel library for adapter weights of `weight_dtype`, built on first use; None
+    when it cannot be had."""
     if os.environ.get("LORASERVE_LORA_KERNEL", "c").lower() == "torch":
         return None  # read per call (once per step), so a process can compare both paths
     with _lock:
-        if _tried:
-            return _lib
-        _tried = True
+        if weight_dtype in _libs:
+            return _libs[weight_dtype]
+        _libs[weight_dtype] = None
         cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
         try:
             if cc is None:
                 raise RuntimeError("no C compiler (gcc/cc) on PATH")
-            lib = ctypes.CDLL(str(_build(cc)))
+            lib = ctypes.CDLL(str(_build(cc, WEIGHT_FLAGS[weight_dtype])))
         except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
             detail = getattr(e, "stderr", "") or e
             log.warning("C LoRA kernel unavailable, using the torch path: %s", detail)
@@ -88,8 +90,9 @@ def load() -> ctypes.CDLL | None:
         lib.lora_sgmv.restype = ctypes.c_int
         lib.lora_sgmv.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ptr, i64,
                                   ptr, i64, ptr, i64, ptr, i64, ctypes.c_int]
-        _lib = lib
-        return _lib
+        lib.weight_dtype = weight_dtype
+        _libs[weight_dtype] = lib
+        return lib
 
 
 def sgmv(lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor, A: torch.Tensor,
@@ -100,6 +103,9 @@ def sgmv(lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor, A: torch.Tensor,
     B: [S, block floats] contiguous; segs int64 [n, 4]; parts int64 [m, 7]."""
     if x.stride(1) != 1 or y.stride(1) != 1 or not (A.is_contiguous() and B.is_contiguous()):
         raise ValueError("sgmv needs unit column strides and contiguous A/B")
+    if not A.dtype == B.dtype == lib.weight_dtype or x.dtype != torch.float32:
+        raise ValueError(f"kernel for {lib.weight_dtype} weights got A {A.dtype}, B {B.dtype}, "
+                         f"x {x.dtype}")
     ldt = padded_rank(max_rank)  # the kernel writes whole 16-float vectors of t
     t = torch.empty(x.shape[0], ldt, dtype=torch.float32)
     rc = lib.lora_sgmv(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0),
