@@ -24,7 +24,7 @@ TileIndex = tuple[tuple, tuple[int, int]]
 # One segment of one group: (token slice, A.T tiles, expand parts).
 SegmentPlan = tuple[slice, tuple[TileIndex, ...], tuple[PartIndex, ...]]
 # The short segments of one group for the C kernel (lora/sgmv_cpu.c): int64 (slot, start, end,
-# rank) rows, int64 (segment, o0, o1, c0, c1, boff, row stride) rows, and the widest rank.
+# rank) rows, int64 (segment, o0, o1, c0, c1, boff) rows, and the widest rank.
 KernelPlan = tuple[torch.Tensor, torch.Tensor, int]
 
 
@@ -97,7 +97,7 @@ class LoraBatch:
                 if not r:
                     continue
                 if b - a <= kernel_max_tokens:
-                    k_parts += [(len(k_segs), o0, o1, c0, c1, boff, c1 - c0)
+                    k_parts += [(len(k_segs), o0, o1, c0, c1, boff)
                                 for o0, o1, c0, c1, boff in pool.parts(s, g)]
                     k_segs.append((s, a, b, r))
                 else:

@@ -25,6 +25,16 @@ MODULE_TO_GROUP: dict[str, str] = {m: g for g, mods in GROUPS.items() for m in m
 # register tile, lora/sgmv_cpu.c), and packed ranks are padded to whole 16-float vectors.
 RANK_TILE = 64
 RANK_ALIGN = 16
+# Expand weights: each module's B.T [r, d_out] is stored in strips of this many columns.
+B_STRIP = 64
+
+def b_strips(r: int, d_out: int) -> tuple[tuple[int, int, int], ...]:
+    """(first column, width, offset) of each strip of a module's B.T [r, d_out] block: strip k
+    is B.T[:, c0:c0 + w] as a row-major [r, w] block at `offset` floats into the block, so the
+    kernel's 64-column register tiles each read one contiguous stream. Only the last strip
+    can be narrower than B_STRIP."""
+    return tuple((c0, min(B_STRIP, d_out - c0), c0 * r) for c0 in range(0, d_out, B_STRIP))
+
 
 # One expand part of a packed group (one module): rank rows [o0, o1) of t = x @ A.T produce
 # output columns [c0, c1) of the fused output y, through the [o1 - o0, c1 - c0] block of the

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from loraserve.lora.batch import LoraBatch
-from loraserve.lora.layout import GroupLayout
+from loraserve.lora.layout import B_STRIP, GroupLayout
 from loraserve.lora.sgmv_cpu import sgmv
 from loraserve.model.linear import onednn_linear
 
@@ -60,12 +60,22 @@ def apply_lora(
         for t_idx, y_idx, b_idx, shape in parts:
             # ys[:, c0:c1] += t[:, o0:o1] @ (the module's [o1 - o0, c1 - c0] block of B[s])
             out = ys if y_idx is None else ys[y_idx]
-            tp, block = (t if t_idx is None else t[t_idx]), group_B[b_idx].view(shape).to(x.dtype)
-            if onednn:
-                out.add_(onednn_linear(tp, block.t()))
-            else:
-                out.addmm_(tp, block)
+            tp = t if t_idx is None else t[t_idx]
+            _expand_strips(out, tp, group_B[b_idx].to(x.dtype), *shape)
     return y
+
+
+def _expand_strips(out: torch.Tensor, t: torch.Tensor, block: torch.Tensor, r: int,
+                   d: int) -> None:
+    """out [n, d] += t [n, r] @ B.T, B.T stored in `block` as [r, 64] column strips and a
+    narrower last strip (layout.b_strips): one batched matmul over the whole strips."""
+    n, full = out.shape[0], d // B_STRIP * B_STRIP
+    if full:
+        strips = block[: r * full].view(full // B_STRIP, r, B_STRIP)  # [k, r, 64]
+        delta = torch.matmul(t, strips)  # [k, n, 64]
+        out[:, :full].view(n, full // B_STRIP, B_STRIP).add_(delta.transpose(0, 1))
+    if full < d:
+        out[:, full:].addmm_(t, block[r * full :].view(r, d - full))
 
 
 def lora_reference(

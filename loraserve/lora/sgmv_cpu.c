@@ -10,8 +10,10 @@
  * Layout (see adapters/slot_pool.py): slot s's A.T (packed rank r, padded to 16) at
  * A + s*a_slot as [d_in, <=64] row-major tiles, tile k at + 64*k*d_in; B[s] at B + s*b_slot.
  * segs: int64[nseg][4] = (slot, start, end, rank);
- * parts: int64[npart][7] = (seg, o0, o1, c0, c1, boff, ldp): rank rows [o0,o1) of t -> output
- * columns [c0,c1) of y, through the block of B at B[slot] + boff with row stride ldp.
+ * parts: int64[npart][6] = (seg, o0, o1, c0, c1, boff): rank rows [o0,o1) of t -> output
+ * columns [c0,c1) of y, through the module's block of B at B[slot] + boff: B_m.T [r, n]
+ * (r = o1-o0, n = c1-c0) stored as 64-column strips, each [r, 64] row-major at + 64*k*r,
+ * then the last n % 64 columns as [r, n % 64] (layout.b_strips): every strip is one stream.
  * t: scratch [T, ldt] (ldt >= every padded rank), rows of the segments' tokens are written.
  * Built with -O3 -march=native -ffp-contract=fast; GCC vector extensions give AVX-512 FMA
  * (or 2x AVX2) code.
@@ -53,7 +55,8 @@ static inline float wf(wt w) { return w; }
 #define RANK_TILE 64   /* shrink: rank columns per A tile (4 vectors) */
 #define TOK_CHUNK 60   /* shrink work item: tokens of one segment against one A tile */
 #define COL_CHUNK 2048 /* expand work item: output columns of one part */
-#define PW 7 /* int64 fields per part */
+#define PW 6 /* int64 fields per part */
+#define B_STRIP 64 /* columns per strip of a B block */
 
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static int64_t pad16(int64_t r) { return (r + 15) / 16 * 16; }
@@ -137,7 +140,7 @@ static void shrink_tokens(const float *x, int64_t ldx, const wt *at, int64_t d_i
     st(p + 16, y##k##1); st(p + 32, y##k##2); st(p + 48, y##k##3); } } while (0)
 
 /* y[0:NT, 0:64] += t[0:NT, o0:o1] @ b[0:o1-o0, 0:64] (t, y at the tile's first token and
- * column; b's rows ldp apart). */
+ * column; b: one strip, rows ldp apart). */
 static inline __attribute__((always_inline)) void
 expand_tile(const float *t, int64_t ldt, const wt *b, int64_t ldp, int64_t o0, int64_t o1,
             float *y, int64_t ldy, int pf, const int NT) {
@@ -154,12 +157,12 @@ expand_tile(const float *t, int64_t ldt, const wt *b, int64_t ldp, int64_t o0, i
     YST(0); YST(1); YST(2); YST(3); YST(4); YST(5);
 }
 
-/* y[tok, c0:c0+n) += t[tok, o0:o1] @ blk for tokens [tok0, tok1), where blk is the part's
- * [o1-o0, n] block of B (row stride ldp). */
-static void expand_rows(const float *t, int64_t ldt, const wt *blk, int64_t ldp,
+/* y[tok, c0:c0+n) += t[tok, o0:o1] @ blk for tokens [tok0, tok1), where blk holds the
+ * part's [o1-o0, n] block of B as strips (see the top of this file). */
+static void expand_rows(const float *t, int64_t ldt, const wt *blk,
                         int64_t o0, int64_t o1, int64_t c0, int64_t n, int64_t tok0,
                         int64_t tok1, float *y, int64_t ldy) {
-    int64_t n64 = n / 64 * 64;
+    const int64_t n64 = n / B_STRIP * B_STRIP, r = o1 - o0, ldp = B_STRIP;
     for (int64_t tok = tok0; tok < tok1;) {
         const int64_t nt = tok1 - tok < 6 ? tok1 - tok : 6;
         for (int64_t c = 0; c < n64; c += 64) {
@@ -167,20 +170,22 @@ static void expand_rows(const float *t, int64_t ldt, const wt *blk, int64_t ldp,
             float *yt = y + tok * ldy + c0 + c;
             const int pf = tok == tok0;
             switch (nt) {
-            case 1: expand_tile(tt, ldt, blk + c, ldp, o0, o1, yt, ldy, pf, 1); break;
-            case 2: expand_tile(tt, ldt, blk + c, ldp, o0, o1, yt, ldy, pf, 2); break;
-            case 3: expand_tile(tt, ldt, blk + c, ldp, o0, o1, yt, ldy, pf, 3); break;
-            case 4: expand_tile(tt, ldt, blk + c, ldp, o0, o1, yt, ldy, pf, 4); break;
-            case 5: expand_tile(tt, ldt, blk + c, ldp, o0, o1, yt, ldy, pf, 5); break;
-            default: expand_tile(tt, ldt, blk + c, ldp, o0, o1, yt, ldy, pf, 6); break;
+            case 1: expand_tile(tt, ldt, blk + c * r, ldp, o0, o1, yt, ldy, pf, 1); break;
+            case 2: expand_tile(tt, ldt, blk + c * r, ldp, o0, o1, yt, ldy, pf, 2); break;
+            case 3: expand_tile(tt, ldt, blk + c * r, ldp, o0, o1, yt, ldy, pf, 3); break;
+            case 4: expand_tile(tt, ldt, blk + c * r, ldp, o0, o1, yt, ldy, pf, 4); break;
+            case 5: expand_tile(tt, ldt, blk + c * r, ldp, o0, o1, yt, ldy, pf, 5); break;
+            default: expand_tile(tt, ldt, blk + c * r, ldp, o0, o1, yt, ldy, pf, 6); break;
             }
         }
         tok += nt;
     }
-    for (int64_t tok = tok0; tok < tok1; tok++) /* columns past the last 64-wide strip */
+    const wt *tail = blk + n64 * r; /* the last n - n64 columns: [r, n - n64] */
+    for (int64_t tok = tok0; tok < tok1; tok++)
         for (int64_t c = n64; c < n; c++) {
             float acc = y[tok * ldy + c0 + c];
-            for (int64_t j = o0; j < o1; j++) acc += t[tok * ldt + j] * wf(blk[(j - o0) * ldp + c]);
+            for (int64_t j = o0; j < o1; j++)
+                acc += t[tok * ldt + j] * wf(tail[(j - o0) * (n - n64) + c - n64]);
             y[tok * ldy + c0 + c] = acc;
         }
 }
@@ -227,8 +232,8 @@ int lora_sgmv(const float *x, int64_t ldx, float *y, int64_t ldy,
             const int64_t *q = parts + PW * p, *g = segs + 4 * q[0];
             int64_t dc = (item - base) * COL_CHUNK, c0 = q[3] + dc;
             int64_t c1 = c0 + COL_CHUNK < q[4] ? c0 + COL_CHUNK : q[4];
-            const wt *blk = B + g[0] * b_slot + q[5] + dc;
-            expand_rows(t, ldt, blk, q[6], q[1], q[2], c0, c1 - c0, g[1], g[2], y, ldy);
+            const wt *blk = B + g[0] * b_slot + q[5] + dc * (q[2] - q[1]); /* dc: whole strips */
+            expand_rows(t, ldt, blk, q[1], q[2], c0, c1 - c0, g[1], g[2], y, ldy);
         }
     }
     return 0;
