@@ -120,6 +120,23 @@ def test_long_segments_and_every_tile_shape(path):
     check_all_groups(pool, seqs, ADAPTERS, seed=7, path=path)
 
 
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_batch_of_many_adapters(path, threads):
+    # >= 4 short segments per thread: the kernel gives each thread whole segments (shrink, then
+    # expand) in rank order, with no barrier; base tokens sit between them
+    pool = full_pool()
+    seqs = []
+    for s in [8, 0, 3, 5, 1, 7, 2, 6, 4]:
+        seqs += [(s, 1)] * (1 + s % 4) + [(None, 1)] * (s % 2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_all_groups(pool, seqs, ADAPTERS, seed=11, path=path)
+    finally:
+        torch.set_num_threads(before)
+
+
 def rounded_to_bf16(w: LoraAdapterWeights) -> LoraAdapterWeights:
     """The adapter as a bf16 pool holds it: every weight rounded to bfloat16 (B after its
     scale), then widened back; the arithmetic stays float32."""

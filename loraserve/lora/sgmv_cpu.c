@@ -19,6 +19,7 @@
  * (or 2x AVX2) code.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef float v16 __attribute__((vector_size(64)));
@@ -57,6 +58,7 @@ static inline float wf(wt w) { return w; }
 #define COL_CHUNK 2048 /* expand work item: output columns of one part */
 #define PW 6 /* int64 fields per part */
 #define B_STRIP 64 /* columns per strip of a B block */
+#define FUSE_MAX_TOKENS 8 /* segments up to this long run shrink+expand in one work item */
 
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static int64_t pad16(int64_t r) { return (r + 15) / 16 * 16; }
@@ -195,15 +197,54 @@ int lora_sgmv(const float *x, int64_t ldx, float *y, int64_t ldy,
               const wt *B, int64_t b_slot,
               const int64_t *segs, int64_t nseg, const int64_t *parts, int64_t npart,
               float *t, int64_t ldt, int nthreads) {
-    /* Work items are numbered across segments (shrink) and parts (expand); each phase is
-     * one dynamic parallel loop over its items, so many small adapters and one big one
-     * both keep every thread busy. Items write disjoint rows or columns: no races. */
+    /* Decode batches of many adapters: one work item per segment (below). Otherwise work
+     * items are numbered across segments' tiles and token chunks (shrink) and parts' column
+     * chunks (expand); each phase is one dynamic parallel loop over its items, so a few
+     * adapters, or one big one, still keep every thread busy. Items write disjoint rows or
+     * columns: no races. */
     int64_t nshrink = 0, nexpand = 0;
     for (int64_t s = 0; s < nseg; s++) {
         if (pad16(segs[4 * s + 3]) > ldt) return -1;
         nshrink += cdiv(pad16(segs[4 * s + 3]), RANK_TILE) * cdiv(segs[4 * s + 2] - segs[4 * s + 1], TOK_CHUNK);
     }
     for (int64_t p = 0; p < npart; p++) nexpand += cdiv(parts[PW * p + 4] - parts[PW * p + 3], COL_CHUNK);
+
+    int64_t maxlen = 0;
+    for (int64_t s = 0; s < nseg; s++)
+        if (segs[4 * s + 2] - segs[4 * s + 1] > maxlen) maxlen = segs[4 * s + 2] - segs[4 * s + 1];
+    if (nseg >= 4 * nthreads && maxlen <= FUSE_MAX_TOKENS) {
+        /* Decode: enough adapters to keep every thread busy, so a thread takes a whole segment
+         * (shrink, then expand from its own t rows): no barrier between the phases, and the
+         * biggest segments go first so the last ones to finish are small. */
+        int64_t *order = malloc(nseg * sizeof *order), *pstart = malloc((nseg + 1) * sizeof *pstart);
+        if (!order || !pstart) { free(order); free(pstart); return -2; }
+        for (int64_t s = 0; s < nseg; s++) order[s] = s;
+        for (int64_t i = 1; i < nseg; i++) /* insertion sort by rank, descending */
+            for (int64_t k = i; k > 0 && segs[4 * order[k] + 3] > segs[4 * order[k - 1] + 3]; k--) {
+                int64_t tmp = order[k]; order[k] = order[k - 1]; order[k - 1] = tmp;
+            }
+        for (int64_t s = 0, p = 0; s <= nseg; s++) { /* parts come in segment order */
+            while (p < npart && parts[PW * p] < s) p++;
+            pstart[s] = p;
+        }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+        for (int64_t i = 0; i < nseg; i++) {
+            const int64_t s = order[i], *g = segs + 4 * s, rpad = pad16(g[3]);
+            for (int64_t c0 = 0; c0 < rpad; c0 += RANK_TILE) {
+                int64_t w = rpad - c0 < RANK_TILE ? rpad - c0 : RANK_TILE;
+                shrink_tokens(x, ldx, A + g[0] * a_slot + c0 * d_in, d_in, (int)(w / 16), g[1], g[2],
+                              t + c0, ldt);
+            }
+            for (int64_t p = pstart[s]; p < pstart[s + 1]; p++) {
+                const int64_t *q = parts + PW * p;
+                expand_rows(t, ldt, B + g[0] * b_slot + q[5], q[1], q[2], q[3], q[4] - q[3], g[1], g[2],
+                            y, ldy);
+            }
+        }
+        free(order);
+        free(pstart);
+        return 0;
+    }
 
 #pragma omp parallel num_threads(nthreads)
     {
