@@ -12,6 +12,7 @@ B decode tokens spread evenly over N adapters (ranks spaced 8..64, all 7 modules
   base linears / lm_head   the base model's matmuls of the same step (oneDNN), for scale
 
     .venv/bin/python benchmarks/lora_op_micro.py [--tokens 64 --adapters 16 --reps 5]
+        [--variants "c-kernel,base linears"]
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--min-rank", type=int, default=8)
     ap.add_argument("--max-rank", type=int, default=64)
+    ap.add_argument("--variants", default="", help="comma-separated names to run (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -119,6 +121,9 @@ def main() -> None:
         W[layer][g](xs[g]) for layer in range(cfg.num_hidden_layers) for g in GROUP_NAMES
     ]
     variants["lm_head"] = lambda: lm_head(xs["o"])
+    if args.variants:
+        keep = args.variants.split(",")
+        variants = {k: f for k, f in variants.items() if k in keep}
     times: dict[str, list[float]] = {k: [] for k in variants}
     for f in variants.values():
         f()  # warm-up
