@@ -2,10 +2,10 @@
 
 The fast op follows Punica's SGMV: tokens of one adapter are contiguous, so each segment
 costs one shrink and one expand per module on *views* of the slot pool (no weight copies),
-sized by that adapter's packed rank, never by max_lora_rank. Segments of up to a few hundred
-tokens go to the C kernel (lora/sgmv_cpu.c, one call per layer and group); longer ones, or all
-of them where no kernel could be built, to matmuls here. Gathering per-token weights for bmm
-is far slower: it copies weights every call (benchmarks/lora_op_micro.py).
+sized by that adapter's packed rank, never by max_lora_rank. The engine sends every segment
+to the C kernel (lora/sgmv_cpu.c, one call per layer and group); the matmuls here serve where
+no kernel could be built, and batches built with a length limit. Gathering per-token weights
+for bmm is far slower: it copies weights every call (benchmarks/lora_op_micro.py).
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ static inline float wf(wt w) { return w; }
 
 #define RANK_TILE 64   /* shrink: rank columns per A tile (4 vectors) */
 #define TOK_CHUNK 60   /* shrink work item: tokens of one segment against one A tile */
-#define COL_CHUNK 2048 /* expand work item: output columns of one part */
+#define COL_CHUNK 2048 /* expand work item: output columns of one part... */
+#define TOK_CHUNK_E 96 /* ...for this many tokens of its segment (long prompts: both threads) */
 #define PW 6 /* int64 fields per part */
 #define B_STRIP 64 /* columns per strip of a B block */
 #define FUSE_MAX_TOKENS 8 /* segments up to this long run shrink+expand in one work item */
@@ -192,6 +193,12 @@ static void expand_rows(const float *t, int64_t ldt, const wt *blk,
         }
 }
 
+/* Expand work items of one part: its column chunks times its segment's token chunks. */
+static int64_t expand_items(const int64_t *q, const int64_t *segs) {
+    const int64_t *g = segs + 4 * q[0];
+    return cdiv(q[4] - q[3], COL_CHUNK) * cdiv(g[2] - g[1], TOK_CHUNK_E);
+}
+
 int lora_sgmv(const float *x, int64_t ldx, float *y, int64_t ldy,
               const wt *A, int64_t a_slot, int64_t d_in,
               const wt *B, int64_t b_slot,
@@ -207,7 +214,7 @@ int lora_sgmv(const float *x, int64_t ldx, float *y, int64_t ldy,
         if (pad16(segs[4 * s + 3]) > ldt) return -1;
         nshrink += cdiv(pad16(segs[4 * s + 3]), RANK_TILE) * cdiv(segs[4 * s + 2] - segs[4 * s + 1], TOK_CHUNK);
     }
-    for (int64_t p = 0; p < npart; p++) nexpand += cdiv(parts[PW * p + 4] - parts[PW * p + 3], COL_CHUNK);
+    for (int64_t p = 0; p < npart; p++) nexpand += expand_items(parts + PW * p, segs);
 
     int64_t maxlen = 0;
     for (int64_t s = 0; s < nseg; s++)
@@ -268,13 +275,16 @@ int lora_sgmv(const float *x, int64_t ldx, float *y, int64_t ldy,
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < nexpand; item++) {
             int64_t p = 0, base = 0;
-            while (base + cdiv(parts[PW * p + 4] - parts[PW * p + 3], COL_CHUNK) <= item)
-                base += cdiv(parts[PW * p + 4] - parts[PW * p + 3], COL_CHUNK), p++;
+            while (base + expand_items(parts + PW * p, segs) <= item)
+                base += expand_items(parts + PW * p, segs), p++;
             const int64_t *q = parts + PW * p, *g = segs + 4 * q[0];
-            int64_t dc = (item - base) * COL_CHUNK, c0 = q[3] + dc;
-            int64_t c1 = c0 + COL_CHUNK < q[4] ? c0 + COL_CHUNK : q[4];
+            const int64_t ntok = cdiv(g[2] - g[1], TOK_CHUNK_E);
+            const int64_t dc = (item - base) / ntok * COL_CHUNK, c0 = q[3] + dc;
+            const int64_t c1 = c0 + COL_CHUNK < q[4] ? c0 + COL_CHUNK : q[4];
+            const int64_t tok0 = g[1] + (item - base) % ntok * TOK_CHUNK_E;
+            const int64_t tok1 = tok0 + TOK_CHUNK_E < g[2] ? tok0 + TOK_CHUNK_E : g[2];
             const wt *blk = B + g[0] * b_slot + q[5] + dc * (q[2] - q[1]); /* dc: whole strips */
-            expand_rows(t, ldt, blk, q[1], q[2], c0, c1 - c0, g[1], g[2], y, ldy);
+            expand_rows(t, ldt, blk, q[1], q[2], c0, c1 - c0, tok0, tok1, y, ldy);
         }
     }
     return 0;
