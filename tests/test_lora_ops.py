@@ -116,7 +116,8 @@ def test_long_segments_and_every_tile_shape(path):
     # prefill-length segments (past the kernel's 60-token work chunks), token counts that
     # leave 1..5-token tails of the 6-token tiles, and every packed-rank width
     pool = full_pool()
-    seqs = [(8, 131), (None, 3), (4, 61), (0, 6), (5, 17), (1, 2), (2, 64), (3, 5), (6, 9)]
+    seqs = [(8, 131), (None, 3), (4, 61), (0, 6), (5, 17), (1, 2), (2, 64), (3, 5), (6, 9),
+            (7, 530)]  # past the kernel's 256-token expand chunks too
     check_all_groups(pool, seqs, ADAPTERS, seed=7, path=path)
 
 

@@ -56,7 +56,7 @@ static inline float wf(wt w) { return w; }
 #define RANK_TILE 64   /* shrink: rank columns per A tile (4 vectors) */
 #define TOK_CHUNK 60   /* shrink work item: tokens of one segment against one A tile */
 #define COL_CHUNK 2048 /* expand work item: output columns of one part... */
-#define TOK_CHUNK_E 96 /* ...for this many tokens of its segment (long prompts: both threads) */
+#define TOK_CHUNK_E 256 /* ...for this many tokens of its segment (long prompts: both threads) */
 #define PW 6 /* int64 fields per part */
 #define B_STRIP 64 /* columns per strip of a B block */
 #define FUSE_MAX_TOKENS 8 /* segments up to this long run shrink+expand in one work item */
