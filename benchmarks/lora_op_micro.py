@@ -77,6 +77,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--min-rank", type=int, default=8)
     ap.add_argument("--max-rank", type=int, default=64)
+    ap.add_argument("--lora-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="slot pool dtype (the engine's lora_dtype)")
     ap.add_argument("--variants", default="", help="comma-separated names to run (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -86,11 +88,12 @@ def main() -> None:
         raise SystemExit("--tokens must be a multiple of --adapters")
     lo, hi = args.min_rank, args.max_rank
     ranks = [round(lo + k * (hi - lo) / max(N - 1, 1)) for k in range(N)]
-    pool = LoraSlotPool(cfg, N, hi)
+    dtype = getattr(torch, args.lora_dtype)
+    pool = LoraSlotPool(cfg, N, hi, dtype=dtype)
     for s, r in enumerate(ranks):
         pool.write(s, synthetic_adapter(cfg, r, s))
     seqs = [(s, 1) for s in range(N) for _ in range(T // N)]  # one token per decoding sequence
-    kernel = sgmv_cpu.load()
+    kernel = sgmv_cpu.load(dtype)
     if kernel is None:
         raise SystemExit("the C LoRA kernel could not be built (see the warning above)")
     batches = {"c-kernel": LoraBatch.build(seqs, pool, kernel_max_tokens=T),
@@ -133,7 +136,7 @@ def main() -> None:
             f()
             times[name].append(time.perf_counter() - t0)
     lora_mib = sum(r * sum(sum(cfg.module_shape(m)) for m in LORA_MODULES) for r in ranks)
-    lora_mib *= cfg.num_hidden_layers * 4 / 2**20
+    lora_mib *= cfg.num_hidden_layers * pool.A[0]["qkv"].element_size() / 2**20
     print(
         f"SmolLM2-135M shapes, {T} decode tokens over {N} adapters, ranks {ranks[0]}..{ranks[-1]}"
         f", all 7 modules; {torch.get_num_threads()} threads; {args.reps} interleaved reps"
