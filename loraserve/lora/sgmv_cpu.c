@@ -31,12 +31,12 @@ static inline void st(float *p, v16 v) { memcpy(p, &v, sizeof v); }
  * float32, widened exactly on load; x, t, y and all arithmetic stay float32. */
 #ifdef LORA_BF16
 typedef uint16_t wt;
-typedef uint16_t h16 __attribute__((vector_size(32)));
-typedef uint32_t u16 __attribute__((vector_size(64)));
+typedef uint16_t bf16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
 static inline v16 ldw(const wt *p) {
-    h16 h;
+    bf16x16 h;
     memcpy(&h, p, sizeof h);
-    u16 u = __builtin_convertvector(h, u16) << 16;
+    u32x16 u = __builtin_convertvector(h, u32x16) << 16;
     v16 v;
     memcpy(&v, &u, sizeof v);
     return v;

@@ -1,9 +1,10 @@
 """Build, cache and call the C multi-LoRA kernel (`sgmv_cpu.c`) through ctypes.
 
-The shared library is compiled once per source, compiler and CPU (it is built with
-`-march=native`) into `$LORASERVE_CACHE/kernels/`, written to a temp file and renamed into
-place so concurrent processes never load a half-written file. It links the libgomp that
-torch has already loaded, so kernel and torch share one OpenMP thread pool.
+The shared library is compiled once per source, compiler, CPU (it is built with
+`-march=native`) and adapter weight dtype (float32, or bfloat16 with -DLORA_BF16) into
+`$LORASERVE_CACHE/kernels/`, written to a temp file and renamed into place so concurrent
+processes never load a half-written file. It links the libgomp that torch has already loaded,
+so kernel and torch share one OpenMP thread pool.
 
 Where no C compiler is found or the build fails, `load()` returns None once with a warning
 and LoRA runs on the pure-torch path (lora/ops.py); `LORASERVE_LORA_KERNEL=torch` forces it.
@@ -112,5 +113,7 @@ def sgmv(lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor, A: torch.Tensor,
                        A.data_ptr(), A.stride(0), x.shape[1], B.data_ptr(), B.stride(0),
                        segs.data_ptr(), segs.shape[0], parts.data_ptr(),
                        parts.shape[0], t.data_ptr(), ldt, torch.get_num_threads())
-    if rc != 0:
+    if rc == -1:
         raise ValueError("a segment's rank exceeds the scratch width")
+    if rc != 0:
+        raise MemoryError("the LoRA kernel could not allocate its work lists")
