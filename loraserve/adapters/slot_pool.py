@@ -3,9 +3,9 @@
 Layout, per layer and module group g (see lora/layout.py):
     A[layer][g]: [S, R_g * d_in]                  shrink weights, transposed, in rank tiles
     B[layer][g]: [S, max_lora_rank * d_out_g]     expand weights, one dense block per module
-with R_g = len(modules of g) * max_lora_rank (padded to 16). An adapter's modules of a group
+with R_g = len(modules of g) * max_lora_rank (padded to 8). An adapter's modules of a group
 are packed side by side along the rank axis: module m takes rank columns [o_m, o_m + r_m) of
-A.T ([d_in, r], r = the packed rank padded to 16, zero past the modules), which is stored as
+A.T ([d_in, r], r = the packed rank padded to 8, zero past the modules), which is stored as
 row-major [d_in, <= 64] tiles one after another (layout.a_tiles), and a contiguous block of B
 at offset boff_m holding B_m.T (already scaled), [r_m, d_out_m], as row-major [r_m, <= 64]
 column strips one after another (layout.b_strips). So for every module

@@ -22,9 +22,9 @@ GROUP_NAMES: tuple[str, ...] = tuple(GROUPS)
 MODULE_TO_GROUP: dict[str, str] = {m: g for g, mods in GROUPS.items() for m in mods}
 
 # Shrink weights are stored transposed, in tiles of this many rank columns (the C kernel's
-# register tile, lora/sgmv_cpu.c), and packed ranks are padded to whole 16-float vectors.
+# register tile, lora/sgmv_cpu.c), and packed ranks are padded to whole 8-float half-vectors.
 RANK_TILE = 64
-RANK_ALIGN = 16
+RANK_ALIGN = 8
 # Expand weights: each module's B.T [r, d_out] is stored in strips of this many columns.
 B_STRIP = 64
 

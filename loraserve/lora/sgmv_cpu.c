@@ -7,7 +7,7 @@
  * once per step for all of its tokens, split over OpenMP threads; prefill-length segments use
  * the same register-tiled loops, which run at 2-3x the rate of per-segment BLAS calls.
  *
- * Layout (see adapters/slot_pool.py): slot s's A.T (packed rank r, padded to 16) at
+ * Layout (see adapters/slot_pool.py): slot s's A.T (packed rank r, padded to 8) at
  * A + s*a_slot as [d_in, <=64] row-major tiles, tile k at + 64*k*d_in; B[s] at B + s*b_slot.
  * segs: int64[nseg][4] = (slot, start, end, rank);
  * parts: int64[npart][6] = (seg, o0, o1, c0, c1, boff): rank rows [o0,o1) of t -> output
@@ -23,9 +23,12 @@
 #include <string.h>
 
 typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32))); /* the last 8 columns of an A tile */
 
 static inline v16 ld(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 static inline void st(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+static inline v8 ld8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+static inline void st8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
 
 /* Adapter weights (A, B) are float32, or with -DLORA_BF16 bfloat16: the upper 16 bits of a
  * float32, widened exactly on load; x, t, y and all arithmetic stay float32. */
@@ -41,6 +44,15 @@ static inline v16 ldw(const wt *p) {
     memcpy(&v, &u, sizeof v);
     return v;
 }
+static inline v8 ldw8(const wt *p) {
+    uint16_t h __attribute__((vector_size(16)));
+    memcpy(&h, p, sizeof h);
+    uint32_t u __attribute__((vector_size(32))) =
+        __builtin_convertvector(h, uint32_t __attribute__((vector_size(32)))) << 16;
+    v8 v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
 static inline float wf(wt w) {
     uint32_t u = (uint32_t)w << 16;
     float f;
@@ -50,6 +62,7 @@ static inline float wf(wt w) {
 #else
 typedef float wt;
 static inline v16 ldw(const wt *p) { return ld(p); }
+static inline v8 ldw8(const wt *p) { return ld8(p); }
 static inline float wf(wt w) { return w; }
 #endif
 
@@ -62,53 +75,64 @@ static inline float wf(wt w) { return w; }
 #define FUSE_MAX_TOKENS 8 /* segments up to this long run shrink+expand in one work item */
 
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-static int64_t pad16(int64_t r) { return (r + 15) / 16 * 16; }
+static int64_t pad8(int64_t r) { return (r + 7) / 8 * 8; } /* layout.padded_rank */
 
-/* Shrink tile: t[tok+k, 0:16*NV] = x[tok+k] @ at for NT tokens, at = one A tile [d_in, lda]
- * (lda = 16*NV floats): each x element is broadcast against NV vectors of the tile, so NT*NV
- * independent FMA chains stay in registers with no horizontal sums. NT and NV are constants
- * in every instantiation (always_inline), so the guarded lines compile away. */
-#define ACC(k) v16 c##k##0 = {0}, c##k##1 = {0}, c##k##2 = {0}, c##k##3 = {0}
-#define FMAT(k) do { if (NT > k) { v16 xb = (v16){0} + x##k[i]; c##k##0 += xb * b0; \
+/* Shrink tile: t[tok+k, 0:w] = x[tok+k] @ at for NT tokens, at = one A tile [d_in, w] with
+ * w = 16*NV + 8*H floats: each x element is broadcast against the tile's NV vectors (and its
+ * last 8 columns when H), so the FMA chains stay in registers with no horizontal sums. NT, NV
+ * and H are constants in every instantiation (always_inline): the guarded lines compile away.
+ * (Ranks are padded to 8, not 16: rank-8 modules, the most common, read no padding.) */
+#define ACC(k) v16 c##k##0 = {0}, c##k##1 = {0}, c##k##2 = {0}, c##k##3 = {0}; v8 h##k = {0}
+#define FMAT(k) do { if (NT > k) { float xs_ = x##k[i]; v16 xb = (v16){0} + xs_;       \
+    if (NV > 0) c##k##0 += xb * b0;                                                    \
     if (NV > 1) c##k##1 += xb * b1;                                                    \
     if (NV > 2) c##k##2 += xb * b2;                                                    \
-    if (NV > 3) c##k##3 += xb * b3; } } while (0)
-#define STT(k) do { if (NT > k) { float *o = t + (k) * ldt; st(o, c##k##0);           \
+    if (NV > 3) c##k##3 += xb * b3;                                                    \
+    if (H) h##k += ((v8){0} + xs_) * bh; } } while (0)
+#define STT(k) do { if (NT > k) { float *o = t + (k) * ldt;                          \
+    if (NV > 0) st(o, c##k##0);                                                        \
     if (NV > 1) st(o + 16, c##k##1);                                                   \
     if (NV > 2) st(o + 32, c##k##2);                                                   \
-    if (NV > 3) st(o + 48, c##k##3); } } while (0)
+    if (NV > 3) st(o + 48, c##k##3);                                                   \
+    if (H) st8(o + 16 * NV, h##k); } } while (0)
 
 static inline __attribute__((always_inline)) void
 shrink_tile(const float *x, int64_t ldx, const wt *at, int64_t d_in, float *t, int64_t ldt,
-            int pf, const int NT, const int NV) {
-    const int64_t lda = 16 * NV;
+            int pf, const int NT, const int NV, const int H) {
+    const int64_t lda = 16 * NV + 8 * H;
     const float *x0 = x, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx, *x4 = x3 + ldx,
                 *x5 = x4 + ldx;
     ACC(0); ACC(1); ACC(2); ACC(3); ACC(4); ACC(5);
-    v16 b1 = {0}, b2 = {0}, b3 = {0};
+    v16 b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+    v8 bh = {0};
     for (int64_t i = 0; i < d_in; i++) {
         const wt *ar = at + i * lda;
         if (pf) /* first pass over this tile, from memory: fetch 8 rows ahead */
-            for (int v = 0; v < NV; v++) __builtin_prefetch(ar + 8 * lda + 16 * v, 0, 0);
-        v16 b0 = ldw(ar);
+            for (int v = 0; v < NV + H; v++) __builtin_prefetch(ar + 8 * lda + 16 * v, 0, 0);
+        if (NV > 0) b0 = ldw(ar);
         if (NV > 1) b1 = ldw(ar + 16);
         if (NV > 2) b2 = ldw(ar + 32);
         if (NV > 3) b3 = ldw(ar + 48);
+        if (H) bh = ldw8(ar + 16 * NV);
         FMAT(0); FMAT(1); FMAT(2); FMAT(3); FMAT(4); FMAT(5);
     }
     STT(0); STT(1); STT(2); STT(3); STT(4); STT(5);
 }
 
-#define TILE_NV(NT)                                                                        \
-    switch (nv) {                                                                          \
-    case 1: shrink_tile(xs, ldx, at, d_in, ts, ldt, pf, NT, 1); break;                     \
-    case 2: shrink_tile(xs, ldx, at, d_in, ts, ldt, pf, NT, 2); break;                     \
-    case 3: shrink_tile(xs, ldx, at, d_in, ts, ldt, pf, NT, 3); break;                     \
-    default: shrink_tile(xs, ldx, at, d_in, ts, ldt, pf, NT, 4); break;                    \
+#define TILE_W(NT)                                                                         \
+    switch (w / 8) {                                                                       \
+    case 1: shrink_tile(xs, ldx, at, d_in, ts, ldt, pf, NT, 0, 1); break;                  \
+    case 2: shrink_tile(xs, ldx, at, d_in, ts, ldt, pf, NT, 1, 0); break;                  \
+    case 3: shrink_tile(xs, ldx, at, d_in, ts, ldt, pf, NT, 1, 1); break;                  \
+    case 4: shrink_tile(xs, ldx, at, d_in, ts, ldt, pf, NT, 2, 0); break;                  \
+    case 5: shrink_tile(xs, ldx, at, d_in, ts, ldt, pf, NT, 2, 1); break;                  \
+    case 6: shrink_tile(xs, ldx, at, d_in, ts, ldt, pf, NT, 3, 0); break;                  \
+    case 7: shrink_tile(xs, ldx, at, d_in, ts, ldt, pf, NT, 3, 1); break;                  \
+    default: shrink_tile(xs, ldx, at, d_in, ts, ldt, pf, NT, 4, 0); break;                 \
     }
 
-/* t[tok0:tok1, 0:16*nv] = x[tok0:tok1] @ at, 6 tokens at a time (24 accumulators). */
-static void shrink_tokens(const float *x, int64_t ldx, const wt *at, int64_t d_in, int nv,
+/* t[tok0:tok1, 0:w] = x[tok0:tok1] @ at (w: 8..64, a multiple of 8), 6 tokens at a time. */
+static void shrink_tokens(const float *x, int64_t ldx, const wt *at, int64_t d_in, int64_t w,
                           int64_t tok0, int64_t tok1, float *t, int64_t ldt) {
     for (int64_t tok = tok0; tok < tok1;) {
         const int64_t nt = tok1 - tok < 6 ? tok1 - tok : 6;
@@ -116,12 +140,12 @@ static void shrink_tokens(const float *x, int64_t ldx, const wt *at, int64_t d_i
         const float *xs = x + tok * ldx;
         float *ts = t + tok * ldt;
         switch (nt) {
-        case 1: TILE_NV(1) break;
-        case 2: TILE_NV(2) break;
-        case 3: TILE_NV(3) break;
-        case 4: TILE_NV(4) break;
-        case 5: TILE_NV(5) break;
-        default: TILE_NV(6) break;
+        case 1: TILE_W(1) break;
+        case 2: TILE_W(2) break;
+        case 3: TILE_W(3) break;
+        case 4: TILE_W(4) break;
+        case 5: TILE_W(5) break;
+        default: TILE_W(6) break;
         }
         tok += nt;
     }
@@ -211,8 +235,8 @@ int lora_sgmv(const float *x, int64_t ldx, float *y, int64_t ldy,
      * columns: no races. */
     int64_t nshrink = 0, nexpand = 0;
     for (int64_t s = 0; s < nseg; s++) {
-        if (pad16(segs[4 * s + 3]) > ldt) return -1;
-        nshrink += cdiv(pad16(segs[4 * s + 3]), RANK_TILE) * cdiv(segs[4 * s + 2] - segs[4 * s + 1], TOK_CHUNK);
+        if (pad8(segs[4 * s + 3]) > ldt) return -1;
+        nshrink += cdiv(pad8(segs[4 * s + 3]), RANK_TILE) * cdiv(segs[4 * s + 2] - segs[4 * s + 1], TOK_CHUNK);
     }
     for (int64_t p = 0; p < npart; p++) nexpand += expand_items(parts + PW * p, segs);
 
@@ -236,10 +260,10 @@ int lora_sgmv(const float *x, int64_t ldx, float *y, int64_t ldy,
         }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
         for (int64_t i = 0; i < nseg; i++) {
-            const int64_t s = order[i], *g = segs + 4 * s, rpad = pad16(g[3]);
+            const int64_t s = order[i], *g = segs + 4 * s, rpad = pad8(g[3]);
             for (int64_t c0 = 0; c0 < rpad; c0 += RANK_TILE) {
                 int64_t w = rpad - c0 < RANK_TILE ? rpad - c0 : RANK_TILE;
-                shrink_tokens(x, ldx, A + g[0] * a_slot + c0 * d_in, d_in, (int)(w / 16), g[1], g[2],
+                shrink_tokens(x, ldx, A + g[0] * a_slot + c0 * d_in, d_in, w, g[1], g[2],
                               t + c0, ldt);
             }
             for (int64_t p = pstart[s]; p < pstart[s + 1]; p++) {
@@ -259,17 +283,17 @@ int lora_sgmv(const float *x, int64_t ldx, float *y, int64_t ldy,
         for (int64_t item = 0; item < nshrink; item++) {
             int64_t s = 0, base = 0, n;
             for (;; s++) { /* this item's segment, then its tile and token chunk there */
-                n = cdiv(pad16(segs[4 * s + 3]), RANK_TILE) * cdiv(segs[4 * s + 2] - segs[4 * s + 1], TOK_CHUNK);
+                n = cdiv(pad8(segs[4 * s + 3]), RANK_TILE) * cdiv(segs[4 * s + 2] - segs[4 * s + 1], TOK_CHUNK);
                 if (base + n > item) break;
                 base += n;
             }
             const int64_t *g = segs + 4 * s;
-            int64_t rpad = pad16(g[3]), nchunk = cdiv(g[2] - g[1], TOK_CHUNK);
+            int64_t rpad = pad8(g[3]), nchunk = cdiv(g[2] - g[1], TOK_CHUNK);
             int64_t tile = (item - base) / nchunk, chunk = (item - base) % nchunk;
             int64_t c0 = tile * RANK_TILE, w = rpad - c0 < RANK_TILE ? rpad - c0 : RANK_TILE;
             int64_t tok0 = g[1] + chunk * TOK_CHUNK, tok1 = tok0 + TOK_CHUNK < g[2] ? tok0 + TOK_CHUNK : g[2];
             const wt *at = A + g[0] * a_slot + c0 * d_in; /* tile: [d_in, w] row-major */
-            shrink_tokens(x, ldx, at, d_in, (int)(w / 16), tok0, tok1, t + c0, ldt);
+            shrink_tokens(x, ldx, at, d_in, w, tok0, tok1, t + c0, ldt);
         }
         /* implicit barrier: every t row is complete before any expand reads it */
 #pragma omp for schedule(dynamic, 1)

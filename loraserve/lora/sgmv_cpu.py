@@ -107,7 +107,7 @@ def sgmv(lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor, A: torch.Tensor,
     if not A.dtype == B.dtype == lib.weight_dtype or x.dtype != torch.float32:
         raise ValueError(f"kernel for {lib.weight_dtype} weights got A {A.dtype}, B {B.dtype}, "
                          f"x {x.dtype}")
-    ldt = padded_rank(max_rank)  # the kernel writes whole 16-float vectors of t
+    ldt = padded_rank(max_rank)  # the kernel writes t in whole 8- and 16-float vectors
     t = torch.empty(x.shape[0], ldt, dtype=torch.float32)
     rc = lib.lora_sgmv(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0),
                        A.data_ptr(), A.stride(0), x.shape[1], B.data_ptr(), B.stride(0),
