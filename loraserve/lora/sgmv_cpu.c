@@ -217,6 +217,11 @@ static void expand_rows(const float *t, int64_t ldt, const wt *blk,
         }
 }
 
+/* Shrink work items of one segment: its A.T tiles times its token chunks. */
+static int64_t shrink_items(const int64_t *g) {
+    return cdiv(pad8(g[3]), RANK_TILE) * cdiv(g[2] - g[1], TOK_CHUNK);
+}
+
 /* Expand work items of one part: its column chunks times its segment's token chunks. */
 static int64_t expand_items(const int64_t *q, const int64_t *segs) {
     const int64_t *g = segs + 4 * q[0];
@@ -230,13 +235,13 @@ int lora_sgmv(const float *x, int64_t ldx, float *y, int64_t ldy,
               float *t, int64_t ldt, int nthreads) {
     /* Decode batches of many adapters: one work item per segment (below). Otherwise work
      * items are numbered across segments' tiles and token chunks (shrink) and parts' column
-     * chunks (expand); each phase is one dynamic parallel loop over its items, so a few
+     * and token chunks (expand); each phase is one dynamic parallel loop over its items, so a few
      * adapters, or one big one, still keep every thread busy. Items write disjoint rows or
      * columns: no races. */
     int64_t nshrink = 0, nexpand = 0;
     for (int64_t s = 0; s < nseg; s++) {
         if (pad8(segs[4 * s + 3]) > ldt) return -1;
-        nshrink += cdiv(pad8(segs[4 * s + 3]), RANK_TILE) * cdiv(segs[4 * s + 2] - segs[4 * s + 1], TOK_CHUNK);
+        nshrink += shrink_items(segs + 4 * s);
     }
     for (int64_t p = 0; p < npart; p++) nexpand += expand_items(parts + PW * p, segs);
 
@@ -283,7 +288,7 @@ int lora_sgmv(const float *x, int64_t ldx, float *y, int64_t ldy,
         for (int64_t item = 0; item < nshrink; item++) {
             int64_t s = 0, base = 0, n;
             for (;; s++) { /* this item's segment, then its tile and token chunk there */
-                n = cdiv(pad8(segs[4 * s + 3]), RANK_TILE) * cdiv(segs[4 * s + 2] - segs[4 * s + 1], TOK_CHUNK);
+                n = shrink_items(segs + 4 * s);
                 if (base + n > item) break;
                 base += n;
             }
