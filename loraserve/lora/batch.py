@@ -23,8 +23,9 @@ PartIndex = tuple[tuple | None, tuple | None, tuple, tuple[int, int]]
 TileIndex = tuple[tuple, tuple[int, int]]
 # One segment of one group: (token slice, A.T tiles, expand parts).
 SegmentPlan = tuple[slice, tuple[TileIndex, ...], tuple[PartIndex, ...]]
-# The short segments of one group for the C kernel (lora/sgmv_cpu.c): int64 (slot, start, end,
-# rank) rows, int64 (segment, o0, o1, c0, c1, boff) rows, and the widest rank.
+# The C kernel's segments of one group (lora/sgmv_cpu.c; the engine sends it every segment):
+# int64 (slot, start, end, rank) rows, int64 (segment, o0, o1, c0, c1, boff) rows, and the
+# widest rank.
 KernelPlan = tuple[torch.Tensor, torch.Tensor, int]
 
 
