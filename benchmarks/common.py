@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from loraserve.model.linear import onednn_linear
+from loraserve.ops.gemm import onednn_linear
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "bench-results"
 

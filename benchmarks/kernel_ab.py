@@ -30,7 +30,7 @@ from lora_op_micro import SMOLLM2, synthetic_adapter  # noqa: E402
 
 from loraserve.adapters.slot_pool import LoraSlotPool  # noqa: E402
 from loraserve.lora import sgmv_cpu  # noqa: E402
-from loraserve.lora.batch import LoraBatch  # noqa: E402
+from loraserve.lora.backends.cpu_kernel import CpuKernelLoraBackend  # noqa: E402
 from loraserve.lora.layout import GROUP_NAMES  # noqa: E402
 
 NUM_ADAPTERS = 16
@@ -51,13 +51,13 @@ def build(src: str, flags: str, dtype: torch.dtype, out_dir: Path, tag: str) -> 
 def step(lib: ctypes.CDLL, pools: dict, seqs: list, xs: dict, ys: dict) -> float:
     """Seconds for the LoRA ops of one step (every layer and group) on `lib`."""
     pool = pools[lib.weight_dtype]
-    batch = LoraBatch.build(seqs, pool, kernel_max_tokens=len(seqs))
+    backend = CpuKernelLoraBackend(pool)
+    backend.kernel = lib  # this side's build instead of the cached one
+    plan = backend.plan(seqs)
     t0 = time.perf_counter()
     for layer in range(SMOLLM2.num_hidden_layers):
         for g in GROUP_NAMES:
-            segs, parts, max_rank = batch.kernel_plans[g]
-            sgmv_cpu.sgmv(lib, xs[g], ys[g], pool.A[layer][g], pool.B[layer][g],
-                          segs, parts, max_rank)
+            backend.apply(plan, layer, g, xs[g], ys[g])
     return time.perf_counter() - t0
 
 

@@ -2,11 +2,9 @@
 
 B decode tokens spread evenly over N adapters (ranks spaced 8..64, all 7 modules), 4 groups x
 30 layers of LoRA ops per step. Variants, timed as medians of interleaved runs:
-  c-kernel        lora.ops.apply_lora on the C kernel (lora/sgmv_cpu.c): the engine's path
-                  for segments of up to 16 tokens
-  torch-onednn    lora.ops.apply_lora on the torch path: one shrink and one expand matmul
-                  per segment and module, on views of the slot pool (Punica-style), through
-                  oneDNN: the engine's path for longer segments
+  c-kernel        the `cpu` LoRA backend (the C kernel, lora/sgmv_cpu.c): the engine's default
+  torch-onednn    the `torch` backend: one shrink and one expand matmul per segment and
+                  module, on views of the slot pool (Punica-style), through oneDNN
   torch-segments  the same through torch.mm (MKL): the path where oneDNN is missing
   gather-bmm      per-token gather of A (copies), then bmm: the naive batched form
   base linears / lm_head   the base model's matmuls of the same step (oneDNN), for scale
@@ -26,10 +24,9 @@ import torch
 from loraserve.adapters.format import LoraAdapterWeights, LoraModuleWeights
 from loraserve.adapters.slot_pool import LoraSlotPool
 from loraserve.config import LORA_MODULES, ModelConfig
-from loraserve.lora import sgmv_cpu
-from loraserve.lora.batch import LoraBatch
+from loraserve.lora.backends.cpu_kernel import CpuKernelLoraBackend
+from loraserve.lora.backends.torch_matmul import TorchLoraBackend
 from loraserve.lora.layout import GROUP_NAMES, a_tiles
-from loraserve.lora.ops import apply_lora
 from loraserve.model.linear import Linear
 
 SMOLLM2 = ModelConfig(
@@ -93,13 +90,14 @@ def main() -> None:
     for s, r in enumerate(ranks):
         pool.write(s, synthetic_adapter(cfg, r, s))
     seqs = [(s, 1) for s in range(N) for _ in range(T // N)]  # one token per decoding sequence
-    kernel = sgmv_cpu.load(dtype)
-    if kernel is None:
-        raise SystemExit("the C LoRA kernel could not be built (see the warning above)")
-    batches = {"c-kernel": LoraBatch.build(seqs, pool, kernel_max_tokens=T),
-               "torch-onednn": LoraBatch.build(seqs, pool, onednn=True),
-               "torch-segments": LoraBatch.build(seqs, pool)}
-    batch = batches["torch-segments"]
+    torch_mkl = TorchLoraBackend(pool)
+    torch_mkl.onednn = False
+    torch_onednn = TorchLoraBackend(pool)
+    torch_onednn.onednn = True
+    backends = {"c-kernel": CpuKernelLoraBackend(pool), "torch-onednn": torch_onednn,
+                "torch-segments": torch_mkl}
+    plans = {name: b.plan(seqs) for name, b in backends.items()}
+    batch = plans["torch-segments"].batch
     token_slots = batch.token_slots()
     lays = pool.layouts
     xs = {g: torch.randn(T, lay.d_in) for g, lay in lays.items()}  # x: [T, d_in]
@@ -110,15 +108,15 @@ def main() -> None:
     ]
     lm_head = Linear(torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02)
 
-    def segments(policy):
-        b = batches[policy]
+    def segments(name):
+        b, plan = backends[name], plans[name]
         return lambda: [
-            apply_lora(xs[g], ys[g], pool.A[layer][g], pool.B[layer][g], b, g, kernel)
+            b.apply(plan, layer, g, xs[g], ys[g])
             for layer in range(cfg.num_hidden_layers)
             for g in GROUP_NAMES
         ]
 
-    variants = {name: segments(name) for name in batches}
+    variants = {name: segments(name) for name in backends}
     variants["gather-bmm shrink"] = lambda: gather_bmm_shrink(pool, xs, token_slots, batch)
     variants["base linears"] = lambda: [
         W[layer][g](xs[g]) for layer in range(cfg.num_hidden_layers) for g in GROUP_NAMES

@@ -1,10 +1,20 @@
-"""`loraserve serve | generate | bench` — the command line."""
+"""`loraserve serve | generate | bench` — the command line, and `serve`'s composition root.
+
+Engine flags are generated from `EngineConfig`'s fields (config.py holds every default and
+help text); the server's own flags live in server/cli_args.py.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 import sys
+
+from loraserve.config import EngineConfig
+
+_TYPES = {"int": int, "float": float, "str": str}
 
 
 def _lora_paths(items: list[str] | None) -> dict[str, str]:
@@ -17,45 +27,42 @@ def _lora_paths(items: list[str] | None) -> dict[str, str]:
     return out
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, exclude: frozenset[str] = frozenset()) -> None:
+    """--model, --lora-paths and one flag per EngineConfig field (--field-name)."""
     p.add_argument("--model", default=None,
                    help="HF checkpoint dir (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--lora-paths", nargs="*", metavar="NAME=PATH", help="adapters to load")
-    p.add_argument("--max-loras-per-batch", type=int, default=8)
-    p.add_argument("--max-loaded-loras", type=int, default=None)
-    p.add_argument("--max-lora-rank", type=int, default=64)
-    p.add_argument("--lora-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="adapter weights in compute memory (auto: the model's, float32)")
-    p.add_argument("--max-loras-prefetch", type=int, default=0)
-    p.add_argument("--allow-pickle-adapters", action="store_true",
-                   help="also read adapter_model.bin (pickle: runs code from the file)")
-    p.add_argument("--kv-cache-tokens", type=int, default=32768)
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--num-threads", type=int, default=None)
+    g = p.add_argument_group("engine")
+    fields = [f for f in dataclasses.fields(EngineConfig) if f.name not in exclude]
+    p.set_defaults(engine_fields=tuple(f.name for f in fields))
+    for f in fields:
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        if str(f.type) == "bool":
+            g.add_argument(flag, action="store_true", default=f.default, help=help_text)
+            continue
+        base = str(f.type).split("|")[0].strip()  # "int | None" -> int
+        if "default" not in help_text:
+            help_text += f" (default: {f.default})"
+        g.add_argument(flag, type=_TYPES[base], default=f.default,
+                       choices=f.metadata.get("choices"), help=help_text)
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        max_loras_per_batch=args.max_loras_per_batch,
-        max_loaded_loras=args.max_loaded_loras,
-        max_lora_rank=args.max_lora_rank,
-        lora_dtype=args.lora_dtype,
-        max_loras_prefetch=args.max_loras_prefetch,
-        allow_pickle_adapters=args.allow_pickle_adapters,
-        kv_cache_tokens=args.kv_cache_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        num_threads=args.num_threads,
-    )
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the flags describe; an invalid value ends the command clearly."""
+    values = {name: getattr(args, name) for name in args.engine_fields}
+    try:
+        return EngineConfig(**values)
+    except ValueError as e:
+        raise SystemExit(f"loraserve {args.command}: {e}") from e
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from loraserve import LLM, SamplingParams
 
-    llm = LLM(args.model, lora_paths=_lora_paths(args.lora_paths), **engine_kwargs(args))
+    config = engine_config_from_args(args)
+    llm = LLM(args.model, lora_paths=_lora_paths(args.lora_paths),
+              **dataclasses.asdict(config))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             ignore_eos=args.ignore_eos, stop=tuple(args.stop or ()))
@@ -71,12 +78,50 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Build the engine, load --lora-paths, and serve the app with uvicorn."""
+    from loraserve.server.cli_args import H11_MAX_EVENT_BYTES, configure_logging, settings_from_args
+
+    configure_logging(args.log_level)
+    log = logging.getLogger("loraserve.server")
+    try:
+        settings = settings_from_args(args)  # refuses unsafe flag combinations
+    except ValueError as e:
+        raise SystemExit(f"loraserve serve: {e}") from e
+    config = engine_config_from_args(args)
+
+    import uvicorn
+
+    from loraserve.engine.async_engine import AsyncEngine
+    from loraserve.engine.engine import LLMEngine
+    from loraserve.server.app import create_app
+    from loraserve.types import LoraServeError
+
+    engine = LLMEngine(args.model, config)
+    for name, path in _lora_paths(args.lora_paths).items():
+        try:
+            engine.load_lora_adapter(name, path)
+        except LoraServeError as e:  # a bad adapter at startup stops the server, clearly
+            raise SystemExit(f"loraserve serve: --lora-paths {name}={path}: {e}") from e
+    log.info("model %s from %s; %d adapters; LoRA backend %s; runtime adapter updates %s",
+             engine.info.model_name, engine.info.model_path, engine.store.num_registered,
+             engine.info.lora_backend, "on" if settings.runtime_lora_updates else "off")
+    app = create_app(AsyncEngine(engine), settings)
+    uvicorn.run(app, host=args.host, port=args.port, http="h11", log_level=args.log_level,
+                h11_max_incomplete_event_size=H11_MAX_EVENT_BYTES, timeout_graceful_shutdown=5)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="loraserve", description=__doc__)
+    from loraserve.bench.cli import add_bench_args, run_bench
+    from loraserve.server.cli_args import add_server_args
+
+    parser = argparse.ArgumentParser(prog="loraserve", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate offline for one or more prompts")
-    add_engine_args(g)
+    # --seed here is the requests' sampling seed (the engine's default seed stays 0)
+    add_engine_args(g, exclude=frozenset({"seed"}))
     g.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     g.add_argument("--lora", default=None, help="adapter name for every prompt (default: base)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
@@ -84,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None, help="sampling seed of every prompt")
     g.add_argument("--stop", action="append")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
@@ -92,17 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(s)
-    try:
-        from loraserve.server.cli_args import add_server_args, cmd_serve
-    except ImportError:  # the server arrives with its own module
-        pass
-    else:
-        add_server_args(s)
-        s.set_defaults(func=cmd_serve)
+    add_server_args(s)
+    s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="load generator against an OpenAI-compatible server")
-    from loraserve.bench.cli import add_bench_args, run_bench
-
     add_bench_args(b)
     b.set_defaults(func=lambda a: (run_bench(a), 0)[1])
     return parser
@@ -110,8 +148,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not hasattr(args, "func"):
-        raise SystemExit(f"loraserve {args.command}: not available")
     return args.func(args) or 0
 
 

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 # The LoRA-targetable linear modules of a Llama-family decoder layer, in HF naming.
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -93,30 +91,50 @@ class ModelConfig:
         return self.num_hidden_layers * per_layer + emb * (1 if self.tie_word_embeddings else 2)
 
 
-LORA_DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}
+# lora_dtype -> torch dtype name (resolved lazily: `loraserve --help` must not import torch)
+LORA_DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16"}
+LORA_BACKEND_NAMES = ("cpu", "torch")  # lora/backends/ (kept here so config needs no torch)
+
+
+def knob(default, help_text: str, choices=None):
+    """An engine knob: its default and the help text its generated CLI flag shows."""
+    return field(default=default, metadata={"help": help_text, "choices": choices})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """The engine's knobs; names follow SGLang/vLLM."""
+    """The engine's knobs; names follow SGLang/vLLM. The only place their defaults live: the
+    CLI's engine flags are generated from these fields (cli.py)."""
 
-    max_loras_per_batch: int = 8  # distinct adapters per batch (base counts as one) = LoRA slots
-    max_loaded_loras: int | None = None  # adapters kept in host memory; None = unbounded
-    max_lora_rank: int = 64
-    # adapter weights in compute memory: "auto" = the model's dtype (float32 here), or
-    # "bfloat16": half the memory and decode traffic, exact for adapters trained in bf16,
-    # rounds float32 ones (vLLM's --lora-dtype); LoRA arithmetic stays float32 either way
-    lora_dtype: str = "auto"
-    max_loras_prefetch: int = 0  # spare slots filled ahead of time from the waiting queue
-    allow_pickle_adapters: bool = False
-    kv_cache_tokens: int = 32768  # KV pool size in tokens
-    block_size: int = 16
-    max_num_seqs: int = 128  # sequences in one step
-    max_num_batched_tokens: int = 2048  # tokens in one step (prefill chunks + decodes)
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
-    starvation_steps: int = 32  # a waiting request skipped this long blocks newer admissions
-    num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
-    seed: int = 0
+    max_loras_per_batch: int = knob(
+        8, "distinct adapters in one batch (the base model counts as one); also the number "
+           "of LoRA slots in compute memory")
+    max_loaded_loras: int | None = knob(
+        None, "adapters kept in host memory, LRU beyond (default: unbounded)")
+    max_lora_rank: int = knob(64, "largest adapter rank accepted; sizes the slots")
+    lora_dtype: str = knob(
+        "auto", "adapter weights in compute memory: auto = the model's (float32); bfloat16 "
+                "halves the memory, exact for adapters trained in bf16", tuple(LORA_DTYPES))
+    max_loras_prefetch: int = knob(
+        0, "spare slots filled ahead of time from the waiting queue")
+    lora_backend: str | None = knob(
+        None, "LoRA op backend: cpu (C kernel) or torch; default: $LORASERVE_LORA_BACKEND, "
+              "else cpu", LORA_BACKEND_NAMES)
+    allow_pickle_adapters: bool = knob(
+        False, "also read adapter_model.bin (pickle: can run code from the file)")
+    kv_cache_tokens: int = knob(32768, "KV cache size in tokens")
+    block_size: int = knob(16, "tokens per KV cache block")
+    max_num_seqs: int = knob(128, "sequences in one step")
+    max_num_batched_tokens: int = knob(
+        2048, "tokens in one step (prefill chunks + decodes)")
+    max_model_len: int | None = knob(
+        None, "context length (default: the model's max_position_embeddings)")
+    starvation_steps: int = knob(
+        32, "steps a request refused by the adapter cap may wait before nothing newer is "
+            "admitted ahead of it")
+    num_threads: int | None = knob(
+        None, "torch intra-op threads (default: torch's choice)")
+    seed: int = knob(0, "seed of the sampling RNG of requests that bring no seed of their own")
 
     def __post_init__(self) -> None:
         if self.max_loras_per_batch < 1:
@@ -128,14 +146,28 @@ class EngineConfig:
         if self.lora_dtype not in LORA_DTYPES:
             raise ValueError(f"lora_dtype must be one of {sorted(LORA_DTYPES)}, "
                              f"got {self.lora_dtype!r}")
+        if self.lora_backend is not None and self.lora_backend not in LORA_BACKEND_NAMES:
+            raise ValueError(f"lora_backend must be one of {list(LORA_BACKEND_NAMES)}, "
+                             f"got {self.lora_backend!r}")
         if self.max_loras_prefetch < 0:
             raise ValueError("max_loras_prefetch must be >= 0")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
         if self.kv_cache_tokens < self.block_size:
             raise ValueError("kv_cache_tokens must hold at least one block")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "starvation_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError("num_threads must be >= 1")
 
     @property
-    def lora_torch_dtype(self) -> torch.dtype:
-        return LORA_DTYPES[self.lora_dtype]
+    def lora_torch_dtype(self):
+        import torch
+
+        return getattr(torch, LORA_DTYPES[self.lora_dtype])
 
     @property
     def num_lora_slots(self) -> int:

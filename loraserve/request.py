@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from enum import Enum
+from typing import Any
 
 from loraserve.types import FinishReason, SamplingParams
 
@@ -22,6 +23,7 @@ class Request:
         params: SamplingParams,
         adapter_uid: int | None = None,
         lora_name: str | None = None,
+        generator: Any = None,
     ):
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
@@ -30,6 +32,7 @@ class Request:
         self.params = params
         self.adapter_uid = adapter_uid  # resolved once at admission; None = base model
         self.lora_name = lora_name  # for outputs and logs only, never for lookups
+        self.generator = generator  # its own RNG (a torch.Generator) when a seed was given
         self.output_token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
@@ -42,7 +45,7 @@ class Request:
         self.error: str | None = None
         self.num_preemptions = 0
         self.blocked_steps = 0  # steps spent waiting behind the adapter cap (starvation guard)
-        self.text = ""  # detokenized output (maintained by the engine)
+        self.text = ""  # detokenized output (maintained by the output processor)
         self.holdback = 0  # trailing chars of `text` that may start a stop string: not streamed
 
     @property
@@ -60,6 +63,16 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token: int, logprob: float | None = None,
+                     top_logprobs: dict[int, float] | None = None) -> None:
+        self.output_token_ids.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+            if top_logprobs is not None:
+                self.top_logprobs.append(top_logprobs)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id}, adapter={self.adapter_uid}, "

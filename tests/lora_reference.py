@@ -76,7 +76,7 @@ def assert_idle(eng) -> None:
     """Nothing queued, every KV block free, every adapter refcount back to zero."""
     assert not eng.has_work and not eng.requests
     assert eng.kv.pool.num_free == eng.kv.pool.num_blocks, "KV blocks leaked"
-    assert all(e.refcount == 0 for e in eng.adapters.entries.values()), "refcount leaked"
+    assert all(e.refcount == 0 for e in eng.store.entries.values()), "refcount leaked"
 
 
 # Prompts shared by the lifecycle and slot tests (token ids of the tiny model's vocabulary).
@@ -92,6 +92,6 @@ def gen(llm, prompts, loras, n: int = 6) -> list[list[int]]:
 
 def entry(llm, name: str):
     """The AdapterStore entry registered under `name`."""
-    store = llm.engine.adapters
+    store = llm.engine.store
     return store.entries[store.names[name]]
 

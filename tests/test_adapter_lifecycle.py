@@ -40,7 +40,7 @@ def ads(tiny_model_dir, tmp_path_factory):
 
 
 def tiers(llm: LLM) -> dict[str, str]:
-    return {e.name: e.tier for e in llm.engine.adapters.registered()}
+    return {e.name: e.tier for e in llm.engine.store.registered()}
 
 
 # --- host tier: LRU, pinning, implicit reload ----------------------------------------------
@@ -53,7 +53,7 @@ def test_lru_host_eviction_order(tiny_model_dir, ads):
     gen(llm, [P1], ["a"])  # a is now more recent than b
     llm.load_lora_adapter("c", ads["c"])
     assert tiers(llm) == {"a": "device", "b": "disk", "c": "host"}
-    assert entry(llm, "b").stats.host_evictions == 1 and "b" in llm.engine.adapters.names
+    assert entry(llm, "b").stats.host_evictions == 1 and "b" in llm.engine.store.names
     # b comes back on demand and evicts the LRU of {a (used), c (loaded after a's use)}
     assert gen(llm, [P2], ["b"]) == [ref(tiny_model_dir, ads["b"], P2, 6)]
     assert tiers(llm) == {"a": "disk", "b": "device", "c": "host"}
@@ -90,14 +90,14 @@ def test_at_most_max_loras_per_batch_minus_one_pinned(tiny_model_dir, ads):
     llm.load_lora_adapter("b", ads["b"], pinned=True)
     with pytest.raises(LoraServeError, match="pinned"):
         llm.load_lora_adapter("c", ads["c"], pinned=True)
-    assert "c" not in llm.engine.adapters.names
+    assert "c" not in llm.engine.store.names
     llm.load_lora_adapter("c", ads["c"])
     # Pinning an adapter that is already loaded obeys the same cap (regression: it did not,
     # and with every slot pinned, requests for any other adapter waited forever).
     with pytest.raises(LoraServeError, match="pinned"):
         llm.load_lora_adapter("c", ads["c"], pinned=True)
     llm.load_lora_adapter("a", ads["a"], pinned=True)  # already pinned: a no-op
-    assert [e.pinned for e in llm.engine.adapters.registered()] == [True, True, False]
+    assert [e.pinned for e in llm.engine.store.registered()] == [True, True, False]
     # Two pinned adapters hold two of the three slots; the third still serves c (and base).
     outs = gen(llm, [P1, P2, P3, P4], ["a", "b", "c", None])
     assert outs[2] == ref(tiny_model_dir, ads["c"], P3, 6)
@@ -108,7 +108,7 @@ def test_at_most_max_loras_per_batch_minus_one_pinned(tiny_model_dir, ads):
 def test_implicit_reload_keeps_uid_and_outputs(tiny_model_dir, ads):
     llm = LLM(str(tiny_model_dir), max_loaded_loras=1, lora_paths={"a": ads["a"]})
     first = gen(llm, [P1, P2], ["a", "a"])
-    uid = llm.engine.adapters.names["a"]
+    uid = llm.engine.store.names["a"]
     llm.load_lora_adapter("b", ads["b"])
     assert tiers(llm) == {"a": "disk", "b": "host"}
     assert gen(llm, [P1, P2], ["a", "a"]) == first  # reloaded from its path on demand
@@ -150,20 +150,20 @@ def test_unload_and_load_new_weights_gets_new_uid(tiny_model_dir, ads, tmp_path)
     path = shutil.copytree(ads["a"], tmp_path / "v")
     llm = LLM(str(tiny_model_dir), lora_paths={"v": path})
     old = gen(llm, [P1, P2], ["v", "v"])
-    uid = llm.engine.adapters.names["v"]
+    uid = llm.engine.store.names["v"]
     llm.load_lora_adapter("v", path)  # same name, same path: a no-op
-    assert llm.engine.adapters.names["v"] == uid
+    assert llm.engine.store.names["v"] == uid
     with pytest.raises(AdapterConflictError):
         llm.load_lora_adapter("v", ads["b"])
     llm.unload_lora_adapter("v")
-    assert uid not in llm.engine.adapters.entries
+    assert uid not in llm.engine.store.entries
     shutil.rmtree(path)
     shutil.copytree(ads["b"], path)  # new weights at the same path
     llm.load_lora_adapter("v", path)
-    assert llm.engine.adapters.names["v"] > uid
+    assert llm.engine.store.names["v"] > uid
     new = gen(llm, [P1, P2], ["v", "v"])
     assert new == [ref(tiny_model_dir, ads["b"], p, 6) for p in (P1, P2)] != old
-    assert llm.engine.adapters.slot_owner.count(uid) == 0
+    assert llm.engine.store.slot_owner.count(uid) == 0
 
 
 # --- unload, unknown names, failed loads ---------------------------------------------------
@@ -171,7 +171,7 @@ def test_unload_and_load_new_weights_gets_new_uid(tiny_model_dir, ads, tmp_path)
 
 def test_unload_while_in_flight(tiny_model_dir, ads):
     llm = LLM(str(tiny_model_dir), max_num_seqs=1, lora_paths={"a": ads["a"]})
-    eng, store = llm.engine, llm.engine.adapters
+    eng, store = llm.engine, llm.engine.store
     r1 = eng.add_request(P1, greedy(8), lora_name="a")
     r2 = eng.add_request(P2, greedy(8), lora_name="a")  # admitted, waits behind max_num_seqs
     outs = {}
@@ -228,7 +228,7 @@ def test_failed_load_leaves_no_trace(tiny_model_dir, ads, tmp_path):
     # host is full (a running, b idle): a successful load would evict b; a failed one must not
     llm = LLM(str(tiny_model_dir), max_lora_rank=8, max_loaded_loras=2, max_loras_per_batch=2,
               lora_paths={"a": ads["a"], "b": ads["b"]})
-    eng, store = llm.engine, llm.engine.adapters
+    eng, store = llm.engine, llm.engine.store
     reqs = [eng.add_request(P1, greedy(10), lora_name="a"), eng.add_request(P2, greedy(10))]
     outs = {}
     for name, path in bad:

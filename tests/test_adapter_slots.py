@@ -77,7 +77,7 @@ def test_runtime_load_during_decode(tiny_model_dir, ads):
     ra = eng.add_request(P1, greedy(16), lora_name="a")
     outs = {o.request_id: o for o in eng.step() + eng.step() if o.finished}
     llm.load_lora_adapter("c", ads["c"])
-    assert {e.name: e.tier for e in llm.engine.adapters.registered()} == {
+    assert {e.name: e.tier for e in llm.engine.store.registered()} == {
         "a": "device", "b": "disk", "c": "host"}
     rc = eng.add_request(P3, greedy(8), lora_name="c")
     rb = eng.add_request(P4, greedy(6), lora_name="b")

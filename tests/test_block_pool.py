@@ -11,7 +11,6 @@ from loraserve.engine.engine import LLMEngine
 from loraserve.kvcache.block_pool import BlockPool
 from loraserve.kvcache.manager import KVCacheManager
 from loraserve.request import Request
-from loraserve.scheduler.batch import AdapterState
 from loraserve.types import FinishReason
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -154,25 +153,39 @@ def test_no_leak_after_abort_mid_prefill_and_mid_decode(tiny_model_dir, solo):
     assert all_free(eng) and not eng.has_work
 
 
-class BreakingGate:
-    """An adapter store whose adapter loads fine at first and fails once `victim` was
-    preempted (e.g. its host copy was evicted and the reload from disk failed)."""
+class BreakingStore:
+    """An adapter store whose adapter 'x' (uid 7) is ready at first, and whose reload from
+    disk fails once `victim` was preempted (its host copy evicted, the file gone meanwhile)."""
 
     def __init__(self):
         self.victim: Request | None = None
 
-    def admission(self, uid, running_uids):
-        if self.victim is not None and self.victim.num_preemptions:
-            return AdapterState.FAILED, "adapter 'x' failed to load: file vanished"
-        return AdapterState.READY, ""
+    def acquire(self, name):
+        return 7
+
+    def release(self, uid):
+        pass
+
+    def prepare(self, in_use, upcoming):
+        if self.victim is not None and self.victim.num_preemptions and 7 in upcoming:
+            return {7: "adapter 'x' failed to load: file vanished"}
+        return {}
+
+    def is_ready(self, uid):
+        return True
+
+    def can_bind(self, uids):
+        return True
+
+    def bind(self, uids):
+        return {u: 0 for u in uids}  # an empty slot: the delta is zero
 
 
-def test_no_leak_after_a_request_errors(tiny_model_dir, solo, monkeypatch):
+def test_no_leak_after_a_request_errors(tiny_model_dir, solo):
     cfg = EngineConfig(kv_cache_tokens=64, block_size=4, max_num_batched_tokens=64)
     eng = LLMEngine(str(tiny_model_dir), cfg)
-    gate = BreakingGate()
-    eng.scheduler.gate = gate
-    monkeypatch.setattr(eng, "resolve_adapter", lambda name: None if name is None else 7)
+    gate = BreakingStore()
+    eng.store = eng.scheduler.adapters = gate
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     a = eng.add_request(prompt(20, 2), params)
     b = eng.add_request(prompt(10, 4), params)

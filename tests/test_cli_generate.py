@@ -40,11 +40,11 @@ def test_cli_generate_json_equals_offline_api(tiny_model_dir):
 
 
 def test_lora_dtype_knob_from_cli_to_config():
-    from loraserve.cli import build_parser, engine_kwargs
+    from loraserve.cli import build_parser, engine_config_from_args
     from loraserve.config import EngineConfig
 
     args = build_parser().parse_args(["generate", "--prompt", "x", "--lora-dtype", "bfloat16"])
-    assert EngineConfig(**engine_kwargs(args)).lora_torch_dtype == torch.bfloat16
+    assert engine_config_from_args(args).lora_torch_dtype == torch.bfloat16
     assert EngineConfig().lora_torch_dtype == torch.float32  # auto: the model's dtype
     with pytest.raises(ValueError, match="lora_dtype must be one of"):
         EngineConfig(lora_dtype="float8")

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loraserve.model.linear import Linear, gemm_backend
+from loraserve.model.linear import Linear
+from loraserve.ops.gemm import gemm_backend
 
 
 @pytest.mark.parametrize("backend", ["onednn", "mkl"])

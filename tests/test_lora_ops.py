@@ -1,5 +1,6 @@
-"""The segmented LoRA op (torch path and C kernel) against the per-token reference, and the
-slot pool's invariants."""
+"""The segmented LoRA op (the `torch` and `cpu` (C kernel) backends) against the per-token
+reference, and the slot pool's invariants. tests/test_lora_backends.py covers the registry and
+fresh random batches through the ABC."""
 
 from __future__ import annotations
 
@@ -12,13 +13,30 @@ from loraserve.adapters.format import LoraAdapterWeights, LoraModuleWeights
 from loraserve.adapters.slot_pool import LoraSlotPool
 from loraserve.config import LORA_MODULES, ModelConfig
 from loraserve.lora import sgmv_cpu
+from loraserve.lora.backends import LORA_BACKENDS
+from loraserve.lora.backends.torch_matmul import TorchLoraBackend
 from loraserve.lora.batch import LoraBatch
 from loraserve.lora.layout import GROUPS, MODULE_TO_GROUP, group_layouts, padded_rank
-from loraserve.lora.ops import apply_lora, lora_reference
+from loraserve.lora.reference import lora_reference
 
 KERNEL = sgmv_cpu.load()
-# Which segments go to the C kernel: none (torch path), all, or the engine's split by length.
-PATHS = {"torch": 0, "kernel": 10**6, "mixed": 5}
+# Every segment goes to the backend chosen at start: the torch matmuls or the C kernel (the
+# engine no longer splits a batch between them by segment length).
+PATHS = {"torch": "torch", "kernel": "cpu"}
+
+
+def backend(pool, path: str = "torch", kernel=None):
+    b = LORA_BACKENDS[PATHS[path]](pool)
+    if kernel is not None and path == "kernel":  # e.g. a kernel built for another dtype
+        b.kernel = kernel
+    return b
+
+
+def apply_op(b, plan, layer: int, group: str, x, y):
+    """The backend's op on one layer and group; returns y (unchanged without a plan)."""
+    if plan is not None:
+        b.apply(plan, layer, group, x, y)
+    return y
 
 
 CFG = ModelConfig(
@@ -75,9 +93,11 @@ def full_pool() -> LoraSlotPool:
 
 
 def check_all_groups(pool: LoraSlotPool, seqs, slot_weights, seed: int = 0,
-                     path: str = "torch", kernel=KERNEL) -> None:
-    """apply_lora == lora_reference for every layer and group of a batch of sequences."""
-    batch = LoraBatch.build(seqs, pool, PATHS[path])
+                     path: str = "torch", kernel=None) -> None:
+    """The backend's op == lora_reference for every layer and group of a batch of sequences."""
+    b = backend(pool, path, kernel)
+    plan = b.plan(seqs)
+    batch = LoraBatch.build(seqs, pool)
     token_slots = batch.token_slots()
     g = torch.Generator().manual_seed(seed)
     for layer in range(CFG.num_hidden_layers):
@@ -86,8 +106,7 @@ def check_all_groups(pool: LoraSlotPool, seqs, slot_weights, seed: int = 0,
             x = torch.randn(batch.num_tokens, lay.d_in, generator=g)  # x: [T, d_in]
             y = torch.randn(batch.num_tokens, lay.d_out, generator=g)  # y: [T, d_out_g]
             want = lora_reference(x, y.clone(), mods, lay)
-            got = apply_lora(x, y.clone(), pool.A[layer][name], pool.B[layer][name], batch, name,
-                             kernel)
+            got = apply_op(b, plan, layer, name, x, y.clone())
             torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
 
 
@@ -152,13 +171,13 @@ def test_reused_slot_is_fully_overwritten(path):
             assert torch.equal(pool.B[layer][name], fresh.B[layer][name])
     assert {g: pool.rank(0, g) for g in GROUPS} == {"qkv": 8, "o": 0, "gate_up": 0, "down": 0}
     # the op: k/v columns of qkv and all other groups get exactly zero delta
-    batch = LoraBatch.build([(0, 5)], pool, PATHS[path])
+    b = backend(pool, path)
+    plan = b.plan([(0, 5)])
     q = CFG.num_attention_heads * CFG.head_dim
     for layer in range(CFG.num_hidden_layers):
         for name, lay in pool.layouts.items():
             x, y = torch.randn(5, lay.d_in), torch.randn(5, lay.d_out)
-            out = apply_lora(x, y.clone(), pool.A[layer][name], pool.B[layer][name], batch, name,
-                             KERNEL)
+            out = apply_op(b, plan, layer, name, x, y.clone())
             keep = slice(q, None) if name == "qkv" else slice(None)
             assert torch.equal(out[:, keep], y[:, keep]), (layer, name)
     check_all_groups(pool, [(0, 3), (None, 2), (0, 1)], [only_q], path=path)
@@ -166,17 +185,20 @@ def test_reused_slot_is_fully_overwritten(path):
 
 def test_base_only_batch_leaves_y_unchanged():
     pool = full_pool()
-    batch = LoraBatch.build([(None, 4), (-1, 3), (None, 1)], pool, PATHS["kernel"])
-    assert batch.is_empty and batch.num_tokens == 8 and not batch.plans
-    assert not batch.kernel_plans
-    x, y = torch.randn(8, CFG.hidden_size), torch.randn(8, 160)
-    before = y.clone()
-    assert apply_lora(x, y, pool.A[0]["qkv"], pool.B[0]["qkv"], batch, "qkv") is y
-    assert torch.equal(y, before)
+    seqs = [(None, 4), (-1, 3), (None, 1)]
+    batch = LoraBatch.build(seqs, pool)
+    assert batch.is_empty and batch.num_tokens == 8
+    for path in PATHS:
+        assert backend(pool, path).plan(seqs) is None  # base-only: no LoRA work at all
     # an adapter targeting only q_proj makes no plan for the other groups: no work there
-    only_q = LoraBatch.build([(2, 4), (None, 4)], pool)
-    assert set(only_q.plans) == {"qkv"}
-    assert set(LoraBatch.build([(2, 4), (None, 4)], pool, 8).kernel_plans) == {"qkv"}
+    for path in PATHS:
+        b = backend(pool, path)
+        only_q = b.plan([(2, 4), (None, 4)])
+        assert set(only_q.groups) == {"qkv"}
+        y = torch.randn(8, pool.layouts["o"].d_out)
+        before = y.clone()
+        assert apply_op(b, only_q, 0, "o", torch.randn(8, pool.layouts["o"].d_in), y) is y
+        assert torch.equal(y, before)
 
 
 def test_per_module_delta_equals_scaled_BA():
@@ -190,15 +212,9 @@ def test_per_module_delta_equals_scaled_BA():
                 k = lay.modules.index(m)
                 c0, d_out = lay.col_offsets[k], lay.d_outs[k]
                 x = torch.eye(lay.d_in)  # one token per input basis vector: y = delta.T
-                batch = LoraBatch.build([(s, lay.d_in)], pool)
-                y = apply_lora(
-                    x,
-                    torch.zeros(lay.d_in, lay.d_out),
-                    pool.A[layer][g],
-                    pool.B[layer][g],
-                    batch,
-                    g,
-                )
+                b = backend(pool)
+                y = apply_op(b, b.plan([(s, lay.d_in)]), layer, g, x,
+                             torch.zeros(lay.d_in, lay.d_out))
                 delta = y[:, c0 : c0 + d_out].T  # delta: [d_out, d_in]
                 if m in mods:
                     mw = mods[m]
@@ -212,11 +228,12 @@ def test_per_module_delta_equals_scaled_BA():
 
 def test_cost_follows_packed_rank_not_max_rank():
     pool = full_pool()
-    batch = LoraBatch.build([(0, 2), (3, 1), (2, 1)], pool)
+    torch_plan = TorchLoraBackend(pool).plan([(0, 2), (3, 1), (2, 1)])
+    batch = torch_plan.batch
     r0 = {"qkv": 12, "o": 4, "gate_up": 8, "down": 4}
     assert batch.ranks[0] == r0
     assert batch.ranks[3] == {"qkv": 32, "o": 0, "gate_up": 0, "down": 0}
-    for g, plan in batch.plans.items():
+    for g, plan in torch_plan.groups.items():
         for _xs, tiles, parts in plan:
             slot = tiles[0][0][0]
             views = [pool.A[0][g][idx].view(shape) for idx, shape in tiles]
@@ -276,7 +293,7 @@ def test_clear_and_nbytes():
     pool = full_pool()
     pool.clear(1)
     assert all(pool.rank(1, g) == 0 for g in GROUPS)
-    assert LoraBatch.build([(1, 3)], pool).plans == {}
+    assert TorchLoraBackend(pool).plan([(1, 3)]).groups == {}
     assert all(not t[1].any() for d in pool.A + pool.B for t in d.values())
     lays = group_layouts(CFG)
     per_rank = sum(len(lay.modules) * lay.d_in + lay.d_out for lay in lays.values())

@@ -109,7 +109,7 @@ def run_mixed(model_dir: Path, paths: dict[str, str], prompts, max_new: int, **k
     eng = llm.engine
     assert not eng.has_work
     assert eng.kv.pool.num_free == eng.kv.pool.num_blocks, "KV blocks leaked"
-    assert all(e.refcount == 0 for e in eng.adapters.entries.values()), "refcount leaked"
+    assert all(e.refcount == 0 for e in eng.store.entries.values()), "refcount leaked"
     return dict(zip(order, outs, strict=True)), trace, llm
 
 
@@ -138,7 +138,7 @@ def test_tiny_mixed_batch_equals_peft(tiny_model_dir, tiny_setup, name):
         assert out.error is None and out.finish_reason.value == "length", (key, out.error)
         assert out.lora_name == key[0]
         assert out.token_ids == refs[key], key
-    entries = llm.engine.adapters.entries.values()
+    entries = llm.engine.store.entries.values()
     if name == "default":
         assert max(trace.distinct) == len(GROUPS), "the adapters never shared a step"
     if name == "cap2":
@@ -153,11 +153,12 @@ def test_tiny_mixed_batch_equals_peft(tiny_model_dir, tiny_setup, name):
 
 def test_tiny_mixed_batch_equals_peft_on_torch_lora_path(tiny_model_dir, tiny_setup,
                                                          monkeypatch):
-    # Without the C kernel (no compiler, or LORASERVE_LORA_KERNEL=torch) every segment takes
+    # Without the C kernel (no compiler, or LORASERVE_LORA_BACKEND=torch) every segment takes
     # the torch path, decodes included: same tokens.
-    monkeypatch.setenv("LORASERVE_LORA_KERNEL", "torch")
+    monkeypatch.setenv("LORASERVE_LORA_BACKEND", "torch")
     prompts, paths, refs = tiny_setup
-    outs, _, _ = run_mixed(tiny_model_dir, paths, prompts, MAX_TOKENS)
+    outs, _, llm = run_mixed(tiny_model_dir, paths, prompts, MAX_TOKENS)
+    assert llm.engine.info.lora_backend == "torch"
     assert {key: out.token_ids for key, out in outs.items()} == refs
 
 

@@ -23,7 +23,7 @@ def ads(tiny_model_dir, tmp_path_factory):
 def _evict_to_disk(llm: LLM, name: str, other: str, path) -> int:
     """Load `other` into a 1-adapter host tier so that `name` goes back to disk."""
     llm.load_lora_adapter(other, path)
-    store = llm.engine.adapters
+    store = llm.engine.store
     uid = store.names[name]
     assert store.entries[uid].tier == "disk"
     return uid
@@ -34,7 +34,7 @@ def test_slow_background_load_does_not_stall_decode(tiny_model_dir, ads):
               max_loras_prefetch=1, lora_paths={"a": ads["a"]})
     eng = llm.engine
     uid_a = _evict_to_disk(llm, "a", "b", ads["b"])
-    eng.adapters.loader.delay_s = 3.0  # slow storage
+    eng.store.loader.delay_s = 3.0  # slow storage
     base = eng.add_request(P1, greedy(12))
     eng.step()  # base is running
     waiting = eng.add_request(P2, greedy(4), lora_name="a")
@@ -43,9 +43,9 @@ def test_slow_background_load_does_not_stall_decode(tiny_model_dir, ads):
         outs.update({o.request_id: o for o in eng.step() if o.finished})
     # The base request produced all its tokens while a's load was still in flight:
     # no step waited for the disk read.
-    assert eng.adapters.loader.is_loading(uid_a)
+    assert eng.store.loader.is_loading(uid_a)
     assert outs[base.request_id].token_ids == ref(tiny_model_dir, None, P1, 12)
-    eng.adapters.loader.delay_s = 0.0
+    eng.store.loader.delay_s = 0.0
     outs = run_until_done(eng, outs)
     assert outs[waiting.request_id].token_ids == ref(tiny_model_dir, ads["a"], P2, 4)
     assert_idle(eng)
@@ -57,7 +57,7 @@ def test_prefetch_fills_a_spare_slot_before_admission(tiny_model_dir, ads):
     llm = LLM(str(tiny_model_dir), max_loras_per_batch=1, max_loaded_loras=2,
               max_loras_prefetch=1, lora_paths={"b": ads["b"], "a": ads["a"]})
     eng = llm.engine
-    store = eng.adapters
+    store = eng.store
     llm.load_lora_adapter("c", ads["c"])  # host holds 2: b (LRU) goes back to disk
     assert store.entries[store.names["b"]].tier == "disk"
     ra = eng.add_request(P1, greedy(10), lora_name="a")
@@ -71,7 +71,7 @@ def test_prefetch_fills_a_spare_slot_before_admission(tiny_model_dir, ads):
         outs.update({o.request_id: o for o in eng.step() if o.finished})
         store.loader.wait_any(timeout=0.05)
     assert seen_device_while_waiting
-    assert eng.prefetcher.loads_started >= 1 and eng.prefetcher.slots_filled >= 1
+    assert eng.store.loads_started >= 1 and eng.store.slots_prefetched >= 1
     assert outs[ra.request_id].token_ids == ref(tiny_model_dir, ads["a"], P1, 10)
     assert outs[rb.request_id].token_ids == ref(tiny_model_dir, ads["b"], P2, 4)
     assert_idle(eng)

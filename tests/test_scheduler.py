@@ -8,6 +8,7 @@ from loraserve import LLM, SamplingParams
 from loraserve.config import EngineConfig
 from loraserve.kvcache.manager import KVCacheManager
 from loraserve.request import Request, RequestStatus
+from loraserve.scheduler.batch import StepOutput
 from loraserve.scheduler.scheduler import Scheduler
 from loraserve.types import FinishReason, LoraServeError, RequestTooLargeError
 
@@ -46,20 +47,21 @@ def req(rid: str, n: int, max_tokens: int = 4) -> Request:
                                                               temperature=0.0))
 
 
+def fake_model(batch) -> StepOutput:
+    """A model that always says token 5, for every request whose tokens are all computed."""
+    rids = [r.request_id for r, n in batch.entries if r.num_computed_tokens + n == r.num_tokens]
+    return StepOutput(rids, [5] * len(rids))
+
+
 def step(s: Scheduler):
-    """One step as the engine does it, with a fake model that always says token 5."""
+    """One step as the engine runs it: schedule, the fake model, update_from_output."""
     batch = s.schedule()
     assert batch.num_tokens <= s.config.max_num_batched_tokens
     assert len(batch.entries) <= s.config.max_num_seqs
     for r, n in batch.entries:
         assert r.status is RequestStatus.RUNNING
         assert len(r.block_table) * s.kv.block_size >= r.num_computed_tokens + n
-        r.num_computed_tokens += n
-        if r.num_computed_tokens == r.num_tokens:
-            r.output_token_ids.append(5)
-            if r.num_output_tokens >= r.params.max_tokens:
-                s.remove(r)
-                r.status = RequestStatus.FINISHED
+    s.update_from_output(batch, fake_model(batch))
     return batch
 
 
@@ -106,9 +108,7 @@ def test_max_num_seqs():
     first = s.schedule()
     assert [q.request_id for q, _ in first.entries] == ["r0", "r1"]
     assert len(s.running) == 2 and len(s.waiting) == 3
-    for r, n in first.entries:
-        r.num_computed_tokens += n
-        r.output_token_ids.append(5)
+    s.update_from_output(first, fake_model(first))
     assert len(step(s).entries) == 2
     run(s)
     assert all(r.num_output_tokens == 4 for r in reqs)

@@ -8,15 +8,15 @@ import asyncio
 import pytest
 
 from loraserve.config import EngineConfig
-from loraserve.engine.async_engine import AsyncEngine, engine_snapshot
+from loraserve.engine.async_engine import AsyncEngine
 from loraserve.types import AdapterNotFoundError, FinishReason, RequestTooLargeError, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def aengine(tiny_model_dir):
-    from loraserve.engine.lora_engine import LoraEngine
+    from loraserve.engine.engine import LLMEngine
 
-    ae = AsyncEngine(LoraEngine(tiny_model_dir, EngineConfig(kv_cache_tokens=4096)))
+    ae = AsyncEngine(LLMEngine(tiny_model_dir, EngineConfig(kv_cache_tokens=4096)))
     ae.start()
     yield ae
     ae.shutdown()
@@ -54,13 +54,13 @@ def test_cancel_aborts_and_frees_blocks(aengine):
                 pass
 
         task = asyncio.create_task(consume())
-        while (await aengine.call(engine_snapshot))["kv_blocks_used"] == 0:
+        while (await aengine.snapshot()).kv_blocks_used == 0:
             await asyncio.sleep(0.005)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        snap = await aengine.call(engine_snapshot)  # the abort is ahead of this call
-        assert snap["kv_blocks_used"] == 0 and snap["running"] == 0
+        snap = await aengine.snapshot()  # the abort is ahead of this call
+        assert snap.kv_blocks_used == 0 and snap.running == 0
 
     asyncio.run(main())
 
@@ -85,8 +85,8 @@ def test_step_failure_fails_requests_and_keeps_serving(aengine):
         finally:
             engine.runner.execute = real
         assert out.finish_reason is FinishReason.ERROR and "internal error" in out.error
-        snap = await aengine.call(engine_snapshot)
-        assert snap["kv_blocks_used"] == 0
+        snap = await aengine.snapshot()
+        assert snap.kv_blocks_used == 0
         ok = await last(aengine, "hello", sp)
         assert ok.finish_reason is FinishReason.LENGTH and len(ok.token_ids) == 20
 

@@ -65,6 +65,7 @@ class LoraSlotPool:
         self.num_slots = num_slots
         self.max_lora_rank = max_lora_rank
         self.dtype = dtype
+        self.device = torch.device(device)
         self.layouts: dict[str, GroupLayout] = group_layouts(model_config)
         self.A: list[dict[str, torch.Tensor]] = []
         self.B: list[dict[str, torch.Tensor]] = []
@@ -120,7 +121,8 @@ class LoraSlotPool:
         ranks = {g: max((p[1] for p in parts[g].values()), default=0) for g in GROUP_NAMES}
         self._zero(slot)  # rows and blocks the new adapter does not fill must read as zero
         for layer, mods in enumerate(weights.layers):
-            a_t = {g: torch.zeros(self.layouts[g].d_in, padded_rank(r), dtype=self.dtype)
+            a_t = {g: torch.zeros(self.layouts[g].d_in, padded_rank(r), dtype=self.dtype,
+                                  device=self.device)
                    for g, r in ranks.items() if r}  # the group's packed A.T, [d_in, r]
             for m, mw in mods.items():
                 r = mw.A.shape[0]

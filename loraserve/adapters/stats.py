@@ -8,7 +8,6 @@ from dataclasses import dataclass
 @dataclass
 class AdapterStats:
     requests: int = 0
-    output_tokens: int = 0
     loads: int = 1  # the registration itself is the first load
     host_evictions: int = 0
     slot_evictions: int = 0

@@ -1,14 +1,16 @@
 """AdapterStore: the single authority on adapter identity and residency.
 
 Tiers: registered (disk path) -> host memory (weights, at most `max_loaded_loras`, LRU) ->
-compute slots (`num_slots`, LRU). Invariants (DESIGN.md §3):
+compute slots (`max_loras_per_batch` + `max_loras_prefetch`, LRU). Invariants (DESIGN.md §3):
 - every load mints a fresh uid; names resolve to uids once, at admission (`acquire`);
 - host keeps a superset of the slots: losing host weights frees the slot too;
-- pinned adapters and adapters of running requests are never evicted implicitly;
+- pinned adapters and adapters in use (running or scheduled) are never evicted implicitly;
 - refcounts are acquired at admission and released exactly once (`release`); an unloaded
   adapter is unregistered at once and freed when its last request ends;
-- a failed load changes nothing (validation happens before `register` commits).
-Only the engine thread calls these methods; disk reads run on HostLoader's workers.
+- a failed load changes nothing (validation happens before `register` commits);
+- every residency decision is made here: disk reads start only in `prepare`, slots are
+  filled only in `prepare` (prefetch) and `bind`; `is_ready` / `can_bind` are pure queries.
+Only the engine thread calls these methods; disk reads run on DiskLoader's workers.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from dataclasses import dataclass, field
+from collections.abc import Set
+from typing import Protocol
 
+from loraserve.adapters.disk_loader import DiskLoader
+from loraserve.adapters.entry import AdapterEntry, AdapterSnapshot
+from loraserve.adapters.eviction import pick_victim
 from loraserve.adapters.format import LoraAdapterWeights
-from loraserve.adapters.host_cache import HostLoader
-from loraserve.adapters.slot_pool import LoraSlotPool
-from loraserve.adapters.stats import AdapterStats
-from loraserve.scheduler.batch import AdapterState
 from loraserve.types import (
     ADAPTER_NAME_RE,
     AdapterConflictError,
@@ -33,40 +35,30 @@ from loraserve.types import (
 log = logging.getLogger("loraserve.adapters")
 
 
-@dataclass
-class AdapterEntry:
-    uid: int
-    name: str
-    path: str
-    pinned: bool = False
-    weights: LoraAdapterWeights | None = None  # host tier
-    slot: int | None = None  # compute tier
-    refcount: int = 0  # requests admitted and not yet ended
-    unloading: bool = False  # unregistered; freed when refcount reaches 0
-    error: str | None = None  # last failed background load
-    last_used: int = 0  # LRU tick
-    fingerprint: str = ""  # content hash of the weights registered under this uid
-    prefetched: bool = False  # brought in ahead of use and not used since: evicted first
-    stats: AdapterStats = field(default_factory=AdapterStats)
+class SlotPool(Protocol):
+    """Compute slots (adapters/slot_pool.LoraSlotPool); `write` fully overwrites a slot."""
 
-    @property
-    def tier(self) -> str:
-        return "device" if self.slot is not None else "host" if self.weights else "disk"
+    num_slots: int
+
+    def write(self, slot: int, weights: LoraAdapterWeights) -> None: ...
 
 
 class AdapterStore:
-    def __init__(self, slot_pool: LoraSlotPool, loader: HostLoader, *, max_loras_per_batch: int,
-                 max_loaded_loras: int | None):
+    def __init__(self, slot_pool: SlotPool, loader: DiskLoader, *, max_loras_per_batch: int,
+                 max_loaded_loras: int | None, max_loras_prefetch: int = 0):
         self.slots = slot_pool
         self.loader = loader
         self.max_loras_per_batch = max_loras_per_batch
         self.max_loaded = max_loaded_loras
+        self.max_prefetch = max_loras_prefetch
+        # how far down the waiting queue loads start: the adapters that can join soon
+        self.lookahead = max_loras_per_batch + max_loras_prefetch
         self.names: dict[str, int] = {}  # registered names only
         self.entries: dict[int, AdapterEntry] = {}  # registered + draining
-        self.slot_owner: list[int | None] = [None] * slot_pool.num_slots
         self._uids = itertools.count(1)
         self._tick = itertools.count(1)
-        self.running_uids: set[int] = set()  # set by the engine each step: never evicted
+        self.loads_started = 0  # disk reads started ahead of admission
+        self.slots_prefetched = 0  # spare slots filled ahead of admission
 
     # --- registration -----------------------------------------------------------------------
     @staticmethod
@@ -94,20 +86,23 @@ class AdapterStore:
                 f"{self.max_loras_per_batch - 1} adapters may be pinned")
         return existing is not None
 
-    def register(self, name: str, path: str, weights: LoraAdapterWeights,
-                 pinned: bool = False) -> AdapterEntry:
-        """Commit an adapter whose weights were already read and validated."""
+    def register(self, name: str, path: str, weights: LoraAdapterWeights | None,
+                 pinned: bool = False, in_use: Set[int] = frozenset()) -> AdapterEntry:
+        """Commit an adapter whose weights were already read and validated (None: the same
+        name and path are registered already; this may pin it)."""
         if self.check_new(name, path, pinned):
             entry = self.entries[self.names[name]]
             entry.pinned = entry.pinned or pinned
             return entry
-        if not self.make_host_room(exclude=None):
+        if weights is None:
+            raise ValueError("a new adapter needs its weights")
+        if not self._make_host_room(protected=in_use):
             raise LoraServeError(
                 f"cannot load {name!r}: host memory holds max_loaded_loras={self.max_loaded} "
                 "adapters that are all pinned or in use")
-        entry = AdapterEntry(uid=next(self._uids), name=name, path=str(path), pinned=pinned)
-        entry.weights, entry.fingerprint = weights, weights.fingerprint
-        entry.last_used = next(self._tick)
+        entry = AdapterEntry(uid=next(self._uids), name=name, path=str(path),
+                             fingerprint=weights.fingerprint, pinned=pinned, weights=weights,
+                             last_used=next(self._tick))
         self.entries[entry.uid] = entry
         self.names[name] = entry.uid
         log.info("adapter %s loaded (uid %d, rank %d, %s)", name, entry.uid, weights.rank, path)
@@ -127,14 +122,10 @@ class AdapterStore:
 
     def _free(self, entry: AdapterEntry) -> None:
         self.loader.cancel(entry.uid)
-        self._drop_slot(entry)
+        entry.slot = None  # the next write zeroes the whole slot
         entry.weights = None
         del self.entries[entry.uid]
         log.info("adapter %s freed (uid %d)", entry.name, entry.uid)
-
-    @property
-    def num_pinned(self) -> int:
-        return sum(1 for e in self.entries.values() if e.pinned and not e.unloading)
 
     # --- refcounts --------------------------------------------------------------------------
     def acquire(self, name: str) -> int:
@@ -154,131 +145,152 @@ class AdapterStore:
         if entry.unloading and entry.refcount == 0:
             self._free(entry)
 
-    # --- host tier --------------------------------------------------------------------------
-    def _host_entries(self) -> list[AdapterEntry]:
-        return [e for e in self.entries.values() if e.weights is not None]
+    # --- between steps: the residency decisions ---------------------------------------------
+    def prepare(self, in_use: Set[int], upcoming: list[int]) -> dict[int, str]:
+        """Collect finished disk reads, start reads for the adapters the waiting queue needs
+        next (`upcoming`, in queue order), and prefetch spare slots for them. `in_use`: the
+        adapters of running requests. Returns uid -> error for loads that failed: the
+        requests waiting on those adapters must fail, nobody else."""
+        failed = self._collect_loads()
+        window = [u for u in upcoming[: self.lookahead] if u in self.entries]
+        protected = set(in_use) | set(window)
+        for uid in window:
+            e = self.entries[uid]
+            if (e.weights is None and uid not in failed and not self.loader.is_loading(uid)
+                    and self._make_host_room(protected)):
+                self.loader.start(uid, e.path)
+                self.loads_started += 1
+        if self.max_prefetch:
+            self._prefetch_slots(window, protected)
+        return failed
 
-    def _evictable(self, e: AdapterEntry, protect: set[int] | frozenset = frozenset()) -> bool:
-        return not e.pinned and e.uid not in self.running_uids and e.uid not in protect
-
-    def make_host_room(self, exclude: int | None,
-                        protect: set[int] | frozenset = frozenset()) -> bool:
-        """Evict LRU host entries until one more fits. False if every one is protected."""
-        if self.max_loaded is None:
-            return True
-        resident = [e for e in self._host_entries() if e.uid != exclude]
-        pending = self.loader.num_pending
-        while len(resident) + pending >= self.max_loaded:
-            victims = [e for e in resident if self._evictable(e, protect)]
-            if not victims:
-                return False
-            victim = min(victims, key=lambda e: (not e.prefetched, e.last_used))
-            self._evict_host(victim)
-            resident.remove(victim)
-        return True
-
-    def _evict_host(self, entry: AdapterEntry) -> None:
-        self._drop_slot(entry)
-        entry.weights = None
-        entry.stats.host_evictions += 1
-        log.info("adapter %s evicted from host memory (stays registered)", entry.name)
-
-    def poll_loads(self) -> None:
-        """Move finished background loads into the host tier (engine thread, between steps)."""
+    def _collect_loads(self) -> dict[int, str]:
+        failed = {}
         for uid, weights, secs, err in self.loader.collect():
             entry = self.entries.get(uid)
             if entry is None:
                 continue  # unloaded while loading
+            if err is None and weights.fingerprint != entry.fingerprint:
+                # Same uid must mean same weights (uid-keyed caches rely on it).
+                err = (f"the files at {entry.path} changed on disk since it was loaded; "
+                       "unload and load it again")
             if err is not None:
-                entry.error = err
+                entry.last_error = err
+                failed[uid] = f"adapter {entry.name!r} failed to load: {err}"
                 log.warning("adapter %s failed to load: %s", entry.name, err)
                 continue
-            if weights.fingerprint != entry.fingerprint:
-                # Same uid must mean same weights (uid-keyed caches rely on it).
-                entry.error = (f"the files at {entry.path} changed on disk since it was "
-                               "loaded; unload and load it again")
-                log.warning("adapter %s: %s", entry.name, entry.error)
-                continue
-            entry.weights, entry.error = weights, None
+            entry.weights, entry.last_error = weights, None
             entry.stats.record_load(secs)
             log.info("adapter %s reloaded into host memory in %.3fs", entry.name, secs)
+        return failed
 
-    def ensure_host(self, entry: AdapterEntry,
-                    protect: set[int] | frozenset = frozenset()) -> AdapterState:
-        if entry.weights is not None:
-            return AdapterState.READY
-        if self.loader.is_loading(entry.uid):
-            return AdapterState.LOADING
-        if not self.make_host_room(exclude=entry.uid, protect=protect):
-            return AdapterState.NO_SLOT
-        self.loader.start(entry.uid, entry.path)
-        return AdapterState.LOADING
+    def _prefetch_slots(self, window: list[int], protected: set[int]) -> None:
+        filled = 0
+        for uid in window:
+            e = self.entries[uid]
+            if filled == self.max_prefetch:
+                return
+            if e.weights is not None and e.slot is None:
+                slot = self._free_or_evict_slot(protected)
+                if slot is None:
+                    return
+                self._fill_slot(e, slot)
+                e.prefetched = True
+                filled += 1
+                self.slots_prefetched += 1
 
-    # --- compute slots ----------------------------------------------------------------------
-    def admission(self, uid: int, running_uids: set[int]) -> tuple[AdapterState, str]:
-        """Scheduler gate: may a request for `uid` join a batch running `running_uids`?"""
+    def _make_host_room(self, protected: Set[int]) -> bool:
+        """Evict host entries until one more fits. False if every one is protected/pinned."""
+        if self.max_loaded is None:
+            return True
+        while self.num_host + self.loader.num_pending >= self.max_loaded:
+            victim = pick_victim(self._host_entries(), protected)
+            if victim is None:
+                return False
+            victim.slot = None
+            victim.weights = None
+            victim.stats.host_evictions += 1
+            log.info("adapter %s evicted from host memory (stays registered)", victim.name)
+        return True
+
+    # --- admission queries (pure) and binding -----------------------------------------------
+    def is_ready(self, uid: int) -> bool:
         entry = self.entries.get(uid)
-        if entry is None:
-            return AdapterState.FAILED, f"adapter uid {uid} is gone"
-        if entry.error is not None:
-            err, entry.error = entry.error, None  # a later request may retry the load
-            return AdapterState.FAILED, f"adapter {entry.name!r} failed to load: {err}"
-        # running_uids includes adapters admitted earlier in this same step: keep them.
-        state = self.ensure_host(entry, protect=running_uids)
-        if state is not AdapterState.READY:
-            return state, ""
-        pinned = {e.uid for e in self.entries.values() if e.pinned and e.slot is not None}
-        if len(running_uids | pinned | {uid}) > self.slots.num_slots:
-            return AdapterState.NO_SLOT, ""
-        return AdapterState.READY, ""
+        return entry is not None and entry.weights is not None
 
-    def bind(self, uids: set[int]) -> dict[int, int]:
-        """Give every adapter of this step a slot (loading weights into it); uid -> slot."""
-        self.running_uids = set(uids)
+    def can_bind(self, uids: Set[int]) -> bool:
+        holders = set(uids) | {e.uid for e in self.entries.values()
+                               if e.pinned and e.slot is not None}
+        return len(holders) <= self.slots.num_slots
+
+    def bind(self, uids: Set[int]) -> dict[int, int]:
+        """Give every adapter of this step a slot (writing its weights there if it has
+        none); uid -> slot. Admission (`can_bind`) guarantees the slots exist."""
         tick = next(self._tick)
         out = {}
         for uid in uids:
             e = self.entries[uid]
             e.last_used, e.prefetched = tick, False
             if e.slot is None:
-                self._assign_slot(e, protected=uids)
+                if e.weights is None:
+                    raise RuntimeError(f"adapter {e.name} scheduled without host weights")
+                slot = self._free_or_evict_slot(protected=uids)
+                if slot is None:
+                    raise RuntimeError("no LoRA slot to evict: admission should have refused")
+                self._fill_slot(e, slot)
             out[uid] = e.slot
         return out
 
-    def _assign_slot(self, entry: AdapterEntry, protected: set[int]) -> None:
-        if entry.weights is None:
-            raise RuntimeError(f"adapter {entry.name} scheduled without host weights")
-        slot = self.pick_slot(protected)
-        if slot is None:
-            raise RuntimeError("no LoRA slot to evict: admission should have prevented it")
-        self.fill_slot(entry, slot)
-
-    def pick_slot(self, protected: set[int]) -> int | None:
-        """A free slot, else the LRU slot whose adapter is not protected/pinned (evicted)."""
-        free = [s for s, owner in enumerate(self.slot_owner) if owner is None]
-        if free:
-            return free[0]
-        owners = [self.entries[o] for o in self.slot_owner if o is not None]
-        victims = [e for e in owners if not e.pinned and e.uid not in protected]
-        if not victims:
+    def _free_or_evict_slot(self, protected: Set[int]) -> int | None:
+        owners = self.slot_owner
+        if None in owners:
+            return owners.index(None)
+        victim = pick_victim((e for e in self.entries.values() if e.slot is not None),
+                             protected)
+        if victim is None:
             return None
-        # Prefetched-but-unused adapters go first, then least recently used.
-        victim = min(victims, key=lambda e: (not e.prefetched, e.last_used))
-        slot = victim.slot
-        self._drop_slot(victim)
+        slot, victim.slot = victim.slot, None
         victim.stats.slot_evictions += 1
         return slot
 
-    def fill_slot(self, entry: AdapterEntry, slot: int) -> None:
+    def _fill_slot(self, entry: AdapterEntry, slot: int) -> None:
         self.slots.write(slot, entry.weights)  # zeroes the whole slot first
-        self.slot_owner[slot] = entry.uid
         entry.slot = slot
 
-    def _drop_slot(self, entry: AdapterEntry) -> None:
-        if entry.slot is not None:
-            self.slot_owner[entry.slot] = None  # the next write zeroes the whole slot
-            entry.slot = None
-
     # --- views ------------------------------------------------------------------------------
+    @property
+    def slot_owner(self) -> list[int | None]:
+        """uid in each slot (None: free); derived from the entries, the one record of it."""
+        owners: list[int | None] = [None] * self.slots.num_slots
+        for e in self.entries.values():
+            if e.slot is not None:
+                owners[e.slot] = e.uid
+        return owners
+
+    def _host_entries(self) -> list[AdapterEntry]:
+        return [e for e in self.entries.values() if e.weights is not None]
+
+    @property
+    def num_host(self) -> int:
+        return sum(1 for e in self.entries.values() if e.weights is not None)
+
+    @property
+    def num_pinned(self) -> int:
+        return sum(1 for e in self.entries.values() if e.pinned and not e.unloading)
+
+    @property
+    def num_registered(self) -> int:
+        return len(self.names)
+
     def registered(self) -> list[AdapterEntry]:
         return [self.entries[u] for u in self.names.values()]
+
+    def snapshot(self) -> tuple[AdapterSnapshot, ...]:
+        return tuple(e.snapshot() for e in self.entries.values())
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block up to `timeout` for a disk read to finish (when nothing else can run)."""
+        self.loader.wait_any(timeout)
+
+    def shutdown(self) -> None:
+        self.loader.shutdown()

@@ -1,10 +1,10 @@
 """AsyncEngine: the engine loop on its own thread, driven from asyncio.
 
 The engine thread is the only owner of the engine (scheduler, KV pool, adapter store). The
-asyncio side talks to it through one thread-safe command queue; outputs come back through a
-per-request asyncio queue (`loop.call_soon_threadsafe`). Commands are applied between steps, so
-no step ever sees a half-changed store. Adapter files are read and validated on executor
-threads (`load_lora_adapter`), and only the commit runs on the engine thread.
+asyncio side talks to it through one thread-safe queue of typed commands (engine/messages.py)
+and gets outputs back through a per-request asyncio queue (`loop.call_soon_threadsafe`).
+Commands are applied between steps, so no step ever sees a half-changed store. Adapter files
+are read and validated on executor threads; only the commit runs on the engine thread.
 """
 
 from __future__ import annotations
@@ -15,15 +15,27 @@ import queue
 import threading
 import traceback
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
+from loraserve.adapters.format import read_adapter
+from loraserve.engine import messages as M
 from loraserve.types import FinishReason, RequestOutput, SamplingParams
 
 log = logging.getLogger("loraserve.engine")
 
 _ACCEPTED = object()  # first item of a stream when add_request succeeded
-_STOP = ("stop",)
+_STOP = object()  # ends the engine thread
+
+
+@dataclass(frozen=True)
+class _Envelope:
+    """A command and where its reply goes: a future, or a request's output queue."""
+
+    cmd: M.EngineCommand
+    loop: asyncio.AbstractEventLoop | None = None
+    reply: asyncio.Future | asyncio.Queue | None = None
 
 
 class RequestStream:
@@ -55,12 +67,14 @@ class RequestStream:
     def abort(self) -> None:
         if not self.finished:
             self.finished = True
-            self._owner._post(("abort", self.request_id))
+            self._owner.abort(self.request_id)
 
 
 class AsyncEngine:
     def __init__(self, engine: Any, idle_poll_s: float = 0.01):
-        self.engine = engine
+        self.engine = engine  # touched only by the engine thread (and tests)
+        self.info: M.EngineInfo = engine.info  # fixed for the engine's lifetime
+        self.tokenizer = engine.tokenizer  # read-only: the server tokenizes on its own threads
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._idle_poll_s = idle_poll_s
@@ -75,28 +89,25 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         if self._thread is not None:
-            self._post(_STOP)
+            self._cmds.put(_STOP)
             self._thread.join(timeout)
             self._thread = None
-        loader = getattr(getattr(self.engine, "adapters", None), "loader", None)
-        if loader is not None:
-            loader.shutdown()
+        self.engine.shutdown()
 
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def _post(self, cmd: tuple) -> None:
-        self._cmds.put(cmd)
-
     # --- requests ---------------------------------------------------------------------------
-    async def add_request(self, prompt, params: SamplingParams, lora_name: str | None = None,
+    async def add_request(self, prompt: M.Prompt, params: SamplingParams,
+                          lora_name: str | None = None,
                           request_id: str | None = None) -> RequestStream:
         """Queue a request; raises what `engine.add_request` raised (LoraServeError: 4xx)."""
         rid = request_id or f"req-{uuid.uuid4().hex}"
         q: asyncio.Queue = asyncio.Queue()
         stream = RequestStream(self, rid, q)
-        self._post(("add", rid, prompt, params, lora_name, asyncio.get_running_loop(), q))
+        cmd = M.AddRequest(rid, prompt, params, lora_name)
+        self._cmds.put(_Envelope(cmd, asyncio.get_running_loop(), q))
         try:
             first = await q.get()
         except BaseException:
@@ -107,7 +118,8 @@ class AsyncEngine:
             raise first
         return stream
 
-    async def generate(self, prompt, params: SamplingParams, lora_name: str | None = None,
+    async def generate(self, prompt: M.Prompt, params: SamplingParams,
+                       lora_name: str | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         stream = await self.add_request(prompt, params, lora_name, request_id)
         try:
@@ -117,28 +129,33 @@ class AsyncEngine:
             stream.abort()
 
     def abort(self, request_id: str) -> None:
-        self._post(("abort", request_id))
+        self._cmds.put(_Envelope(M.AbortRequest(request_id)))
 
-    # --- commands run on the engine thread between steps ------------------------------------
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run fn(engine) on the engine thread between steps; its result or exception."""
+    # --- commands answered between steps ----------------------------------------------------
+    async def _ask(self, cmd: M.EngineCommand) -> Any:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._post(("call", fn, loop, fut))
+        self._cmds.put(_Envelope(cmd, loop, fut))
         return await fut
+
+    async def snapshot(self) -> M.EngineSnapshot:
+        return await self._ask(M.GetSnapshot())
 
     async def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> None:
         """Validate off the engine thread, then commit between steps; a failure changes
         nothing."""
-        same = await self.call(lambda e: e.adapters.check_new(name, path, pinned))
+        same = await self._ask(M.CheckAdapterLoad(name, path, pinned))
         weights = None
         if not same:  # read + validate on an executor thread: decoding never stalls
-            loop = asyncio.get_running_loop()
-            weights = await loop.run_in_executor(None, self.engine.read_adapter, path)
-        await self.call(lambda e: e.load_lora_adapter(name, path, pinned, weights=weights))
+            info = self.info
+            weights = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: read_adapter(path, info.model_config,
+                                           max_lora_rank=info.max_lora_rank,
+                                           allow_pickle=info.allow_pickle_adapters))
+        await self._ask(M.LoadAdapter(name, path, pinned, weights))
 
     async def unload_lora_adapter(self, name: str) -> None:
-        await self.call(lambda e: e.unload_lora_adapter(name))
+        await self._ask(M.UnloadAdapter(name))
 
     # --- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
@@ -155,7 +172,7 @@ class AsyncEngine:
                 continue
             for out in outputs:
                 self._deliver(out)
-            if not outputs and not engine.scheduler.running:
+            if not outputs and not engine.has_running:
                 # Nothing ran (e.g. waiting on an adapter load): wait a little for commands
                 # instead of spinning.
                 if not self._drain(block=True, timeout=self._idle_poll_s):
@@ -165,45 +182,36 @@ class AsyncEngine:
     def _drain(self, block: bool, timeout: float | None = None) -> bool:
         """Apply queued commands (waiting for the first if `block`). False on stop."""
         try:
-            cmd = self._cmds.get(block=block, timeout=timeout)
+            item = self._cmds.get(block=block, timeout=timeout)
         except queue.Empty:
             return True
         while True:
-            if cmd is _STOP:
+            if item is _STOP:
                 return False
-            self._apply(cmd)
+            self._apply(item)
             try:
-                cmd = self._cmds.get_nowait()
+                item = self._cmds.get_nowait()
             except queue.Empty:
                 return True
 
-    def _apply(self, cmd: tuple) -> None:
-        kind = cmd[0]
-        if kind == "add":
-            _, rid, prompt, params, lora_name, loop, q = cmd
-            try:
-                self.engine.add_request(prompt, params, lora_name=lora_name, request_id=rid)
-            except Exception as e:  # the caller's fault (LoraServeError) or a bad prompt
-                _put(loop, q, e)
-                return
-            self._streams[rid] = (loop, q)
-            _put(loop, q, _ACCEPTED)
-        elif kind == "abort":
-            out = None
-            try:
-                out = self.engine.abort(cmd[1])
-            except Exception:
-                log.exception("abort of %s failed", cmd[1])
-            entry = self._streams.pop(cmd[1], None)
-            if entry is not None and out is not None:
-                _put(*entry, out)
-        elif kind == "call":
-            _, fn, loop, fut = cmd
-            try:
-                result, exc = fn(self.engine), None
-            except Exception as e:
-                result, exc = None, e
-            loop.call_soon_threadsafe(_resolve, fut, result, exc)
+    def _apply(self, env: _Envelope) -> None:
+        cmd = env.cmd
+        try:
+            result, exc = self.engine.handle(cmd), None
+        except Exception as e:  # the caller's fault (LoraServeError) or a bad prompt
+            if isinstance(cmd, M.AbortRequest):
+                log.exception("abort of %s failed", cmd.request_id)
+            result, exc = None, e
+        if isinstance(cmd, M.AddRequest):
+            if exc is None:
+                self._streams[cmd.request_id] = (env.loop, env.reply)
+            _put(env.loop, env.reply, exc if exc is not None else _ACCEPTED)
+        elif isinstance(cmd, M.AbortRequest):
+            entry = self._streams.pop(cmd.request_id, None)
+            if entry is not None and result is not None:
+                _put(*entry, result)
+        else:
+            env.loop.call_soon_threadsafe(_resolve, env.reply, result, exc)
 
     def _deliver(self, out: RequestOutput) -> None:
         entry = self._streams.get(out.request_id)
@@ -248,22 +256,3 @@ def _resolve(fut: asyncio.Future, result, exc) -> None:
         fut.set_exception(exc)
     else:
         fut.set_result(result)
-
-
-def engine_snapshot(engine) -> dict:
-    """A consistent view of the engine for /metrics, /v1/models and /debug/state. Runs on the
-    engine thread (through `AsyncEngine.call`), so it never sees a half-done step."""
-    pool, store = engine.kv.pool, engine.adapters
-    adapters = []
-    for e in store.entries.values() if store is not None else ():
-        adapters.append({
-            "name": e.name, "uid": e.uid, "path": e.path, "tier": e.tier, "pinned": e.pinned,
-            "refcount": e.refcount, "registered": not e.unloading, "error": e.error,
-            "rank": e.weights.rank if e.weights is not None else None,
-            "stats": dict(vars(e.stats)),
-        })
-    return {
-        "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
-        "kv_blocks_used": pool.num_used, "kv_blocks_total": pool.num_blocks,
-        "kv_usage": engine.kv.usage, "num_steps": engine.num_steps, "adapters": adapters,
-    }

@@ -1,64 +1,116 @@
-"""The engine core: one step = schedule, bind adapters to slots, run the model, process tokens.
+"""The engine: one base model, its adapters, and a step that runs every kind of batch.
 
-Single-threaded by design: whoever calls `step()` owns the scheduler, the KV pool and the
-adapter store. The server runs it on its own thread (engine/async_engine.py).
+Single-threaded by design: whoever calls `step()` (and the commands below) owns the
+scheduler, the KV pool and the adapter store. The server runs it on its own thread
+(engine/async_engine.py) and talks to it only through engine/messages.py.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import time
+import os
 from pathlib import Path
 
 import torch
 
+from loraserve.adapters.disk_loader import DiskLoader
+from loraserve.adapters.format import LoraAdapterWeights, read_adapter
+from loraserve.adapters.slot_pool import LoraSlotPool
+from loraserve.adapters.store import AdapterStore
 from loraserve.config import EngineConfig
-from loraserve.engine.output import check_stop, to_output
+from loraserve.engine import messages as M
+from loraserve.engine.output_processor import OutputProcessor, to_output
 from loraserve.engine.runner import ModelRunner
 from loraserve.kvcache.manager import KVCacheManager
+from loraserve.lora.backends import create_lora_backend
+from loraserve.model.attention import create_attention_backend
 from loraserve.model.bundled import resolve_model_path
 from loraserve.model.loader import load_model
-from loraserve.model.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
-from loraserve.request import Request, RequestStatus
+from loraserve.model.tokenizer import Tokenizer
+from loraserve.request import Request
 from loraserve.scheduler.scheduler import Scheduler
-from loraserve.types import (
-    AdapterNotFoundError,
-    FinishReason,
-    RequestOutput,
-    RequestTooLargeError,
-    SamplingParams,
-)
+from loraserve.types import FinishReason, RequestOutput, RequestTooLargeError, SamplingParams
 
 log = logging.getLogger("loraserve.engine")
 
 
 class LLMEngine:
-    def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None):
-        self.config = config = config or EngineConfig()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+    def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None,
+                 device: str | torch.device = "cpu"):
+        self.config = c = config or EngineConfig()
+        if c.num_threads:
+            torch.set_num_threads(c.num_threads)
+        self.device = torch.device(device)
         self.model_path = resolve_model_path(model)
         self.model = load_model(self.model_path)
-        self.model_config = self.model.config
-        self.model_name = self.model_config.name
+        self.model_config = mc = self.model.config
         self.tokenizer = Tokenizer(self.model_path)
-        self.eos_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
-        self.max_model_len = min(config.max_model_len or 10**9,
-                                 self.model_config.max_position_embeddings)
-        num_blocks = config.kv_cache_tokens // config.block_size
-        self.kv = KVCacheManager(num_blocks, config.block_size)
-        self.runner = ModelRunner(self.model, config, num_blocks)
-        self.adapters = None  # the adapter store, when LoRA is enabled (engine/lora_engine.py)
-        self.scheduler = Scheduler(config, self.kv, gate=None)
+        self.max_model_len = min(c.max_model_len or 10**9, mc.max_position_embeddings)
+        num_blocks = c.kv_cache_tokens // c.block_size
+        self.kv = KVCacheManager(num_blocks, c.block_size)
+        self.slot_pool = LoraSlotPool(mc, c.num_lora_slots, c.max_lora_rank,
+                                      dtype=c.lora_torch_dtype, device=self.device)
+        self.store = AdapterStore(self.slot_pool, DiskLoader(self.read_adapter),
+                                  max_loras_per_batch=c.max_loras_per_batch,
+                                  max_loaded_loras=c.max_loaded_loras,
+                                  max_loras_prefetch=c.max_loras_prefetch)
+        lora = create_lora_backend(self.slot_pool, c.lora_backend)
+        attention = create_attention_backend("cpu", c.block_size, self.device)
+        self.runner = ModelRunner(self.model, c, num_blocks, self.device, attention, lora)
+        eos = set(self.tokenizer.eos_token_ids) | set(mc.eos_token_ids)
+        self.scheduler = Scheduler(c, self.kv, self.store, eos, self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.info = M.EngineInfo(
+            model_name=mc.name, model_path=str(self.model_path), model_config=mc,
+            max_model_len=self.max_model_len, kv_capacity_tokens=self.kv.capacity_tokens,
+            max_lora_rank=c.max_lora_rank, allow_pickle_adapters=c.allow_pickle_adapters,
+            lora_backend=lora.name)
         self.requests: dict[str, Request] = {}
-        self._generators: dict[str, torch.Generator] = {}
-        self._detok: dict[str, tuple[IncrementalDetokenizer, StopChecker]] = {}
         self._ids = itertools.count()
         self.num_steps = 0
 
+    # --- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched, store = self.scheduler, self.store
+        load_errors = store.prepare(sched.running_adapters(), sched.waiting_adapters())
+        ended = sched.fail_waiting(load_errors)
+        batch = sched.schedule()
+        sampled = []
+        if batch:
+            self.num_steps += 1
+            output = self.runner.execute(batch, store.bind(batch.adapter_uids))
+            sampled = sched.update_from_output(batch, output)
+            for req in self.output_processor.process(sampled):  # ended by a stop string
+                sched.finish(req, FinishReason.STOP)
+        elif sched.waiting and not sched.running:
+            store.wait_for_loads(timeout=0.05)  # only an adapter load can make progress
+        return [self._output(r) for r in ended + sampled]
+
+    def _output(self, req: Request) -> RequestOutput:
+        if req.is_finished:
+            self._retire(req)
+        return to_output(req)
+
+    def _retire(self, req: Request) -> None:
+        """The one place a finished request lets go of the engine: its adapter refcount is
+        released here, exactly once (the uid is cleared on the way)."""
+        self.requests.pop(req.request_id, None)
+        self.output_processor.drop(req.request_id)
+        if req.adapter_uid is not None:
+            uid, req.adapter_uid = req.adapter_uid, None
+            self.store.release(uid)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def has_running(self) -> bool:
+        return bool(self.scheduler.running)
+
     # --- requests ---------------------------------------------------------------------------
-    def tokenize(self, prompt: str | list[int] | list[dict]) -> list[int]:
+    def tokenize(self, prompt: M.Prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         if prompt and isinstance(prompt[0], dict):
@@ -70,13 +122,7 @@ class LLMEngine:
             raise RequestTooLargeError(f"token ids out of range [0, {vocab}): {bad[:5]}")
         return ids
 
-    def resolve_adapter(self, lora_name: str | None) -> int | None:
-        """Name -> uid, once, at admission. Overridden when adapters are enabled."""
-        if lora_name is None:
-            return None
-        raise AdapterNotFoundError(f"adapter {lora_name!r} is not loaded (no adapters enabled)")
-
-    def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams,
+    def add_request(self, prompt: M.Prompt, params: SamplingParams,
                     lora_name: str | None = None, request_id: str | None = None) -> Request:
         ids = self.tokenize(prompt)
         if not ids:
@@ -92,10 +138,13 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        uid = self.resolve_adapter(lora_name)  # acquires the adapter's refcount
-        req = Request(request_id, ids, params, adapter_uid=uid, lora_name=lora_name)
+        gen = None
         if params.seed is not None:
-            self._generators[request_id] = torch.Generator().manual_seed(params.seed)
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        # Name -> uid once, here; acquires the refcount (404 for a name never loaded).
+        uid = None if lora_name is None else self.store.acquire(lora_name)
+        req = Request(request_id, ids, params, adapter_uid=uid, lora_name=lora_name,
+                      generator=gen)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -104,89 +153,50 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return None
-        return self._finish(req, FinishReason.ABORT)
+        self.scheduler.finish(req, FinishReason.ABORT)
+        return self._output(req)
 
-    def _finish(self, req: Request, reason: FinishReason, error: str | None = None):
-        """The one place a request ends: blocks and the adapter refcount come back here."""
-        if req.is_finished:
-            return to_output(req)
-        self.scheduler.remove(req)
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
-        req.error = error
-        self.requests.pop(req.request_id, None)
-        self._generators.pop(req.request_id, None)
-        self._detok.pop(req.request_id, None)
-        self._release_adapter(req)
-        return to_output(req)
+    # --- adapters (between steps) -----------------------------------------------------------
+    def read_adapter(self, path: str | os.PathLike) -> LoraAdapterWeights:
+        """Read and fully validate an adapter (any thread; touches no engine state)."""
+        return read_adapter(path, self.model_config, max_lora_rank=self.config.max_lora_rank,
+                            allow_pickle=self.config.allow_pickle_adapters)
 
-    def _release_adapter(self, req: Request) -> None:
-        pass  # no adapters in the base engine
+    def load_lora_adapter(self, name: str, path: str | os.PathLike, pinned: bool = False,
+                          weights: LoraAdapterWeights | None = None) -> None:
+        """Register `name`. `weights` may be pre-read off-thread; else it is read here."""
+        path = str(path)
+        if weights is None and not self.store.check_new(name, path, pinned):
+            weights = self.read_adapter(path)
+        self.store.register(name, path, weights, pinned,
+                            in_use=self.scheduler.running_adapters())
 
-    @property
-    def has_work(self) -> bool:
-        return self.scheduler.has_work
+    def unload_lora_adapter(self, name: str) -> None:
+        self.store.unregister(name)
 
-    # --- one step ---------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        batch = self.scheduler.schedule()
-        for req, why in batch.failed:
-            outputs.append(self._finish(req, FinishReason.ERROR, why))
-        if not batch:
-            return outputs
-        self.num_steps += 1
-        self._bind(batch.adapter_uids)
-        sampled = self.runner.execute(batch.entries, self._slot_of, self._generators,
-                                      self._lora_factory())
-        for req, n in batch.entries:
-            req.num_computed_tokens += n
-        for req, token, lp, top in sampled:
-            self._append_token(req, token, lp, top)
-            if req.finish_reason is not None:
-                outputs.append(self._finish(req, req.finish_reason))
-            else:
-                outputs.append(to_output(req))
-        return outputs
+    def snapshot(self) -> M.EngineSnapshot:
+        pool = self.kv.pool
+        return M.EngineSnapshot(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            kv_blocks_used=pool.num_used, kv_blocks_total=pool.num_blocks,
+            num_steps=self.num_steps, adapters=self.store.snapshot())
 
-    def _bind(self, uids: set[int]) -> None:
-        pass  # no adapters in the base engine
+    def handle(self, cmd: M.EngineCommand):
+        """Apply one command between steps; its reply (or the exception it raised)."""
+        match cmd:
+            case M.AddRequest():
+                return self.add_request(cmd.prompt, cmd.params, cmd.lora_name, cmd.request_id)
+            case M.AbortRequest():
+                return self.abort(cmd.request_id)
+            case M.CheckAdapterLoad():
+                return self.store.check_new(cmd.name, cmd.path, cmd.pinned)
+            case M.LoadAdapter():
+                return self.load_lora_adapter(cmd.name, cmd.path, cmd.pinned, cmd.weights)
+            case M.UnloadAdapter():
+                return self.unload_lora_adapter(cmd.name)
+            case M.GetSnapshot():
+                return self.snapshot()
+        raise TypeError(f"unknown engine command {cmd!r}")
 
-    def _slot_of(self, req: Request) -> int:
-        return -1
-
-    def _lora_factory(self):
-        return None
-
-    def _append_token(self, req: Request, token: int, lp, top) -> None:
-        req.output_token_ids.append(token)
-        if lp is not None:
-            req.logprobs.append(lp)
-            if top is not None:
-                req.top_logprobs.append(top)
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
-        check_stop(req, token, self.eos_ids, self.max_model_len)
-        detok, stops = self._detok.get(req.request_id) or self._new_detok(req)
-        stop_token = req.finish_reason is FinishReason.STOP  # EOS or a stop id: not text
-        prev = len(req.text)
-        if not stop_token:
-            req.text += detok.add(token)
-        if req.finish_reason is not None:
-            req.text += detok.flush()  # whatever was held back for a partial character
-        if stops and len(req.text) > prev:
-            cut = stops.find(req.text, len(req.text) - prev)
-            if cut is not None:
-                req.text = req.text[:cut]
-                req.finish_reason = FinishReason.STOP
-            else:
-                req.holdback = stops.holdback(req.text)
-        if req.finish_reason is not None:
-            req.holdback = 0
-            self._detok.pop(req.request_id, None)
-
-    def _new_detok(self, req: Request):
-        pair = (IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
-                StopChecker(req.params.stop))
-        self._detok[req.request_id] = pair
-        return pair
+    def shutdown(self) -> None:
+        self.store.shutdown()

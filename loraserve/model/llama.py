@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from loraserve.config import ModelConfig
-from loraserve.model.attention import AttentionMetadata, paged_attention
+from loraserve.model.attention import AttentionBackend
 from loraserve.model.layers import RotaryEmbedding, apply_rope, rms_norm
 from loraserve.model.linear import Linear
 
@@ -52,40 +52,14 @@ class LlamaModel:
         self.scale = c.head_dim**-0.5
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta)
 
-    # --- HF names stay reachable: slices of the fused weights --------------------------------
-    def hf_weight(self, name: str) -> torch.Tensor:
-        """`model.layers.3.self_attn.k_proj.weight` -> that slice of a fused weight (a copy
-        for packed projections)."""
-        parts = name.split(".")
-        if name in ("model.embed_tokens.weight",):
-            return self.embed
-        if name == "lm_head.weight":
-            return self.lm_head.weight
-        if name == "model.norm.weight":
-            return self.final_norm
-        layer = self.layers[int(parts[2])]
-        module = parts[4] if parts[3] in ("self_attn", "mlp") else parts[3]
-        q, kv, i = self.q_size, self.kv_size, self.inter
-        views = {  # [out, in], as in nn.Linear.weight
-            "q_proj": lambda: layer.qkv.weight[:q],
-            "k_proj": lambda: layer.qkv.weight[q : q + kv],
-            "v_proj": lambda: layer.qkv.weight[q + kv :],
-            "o_proj": lambda: layer.o.weight,
-            "gate_proj": lambda: layer.gate_up.weight[:i],
-            "up_proj": lambda: layer.gate_up.weight[i:],
-            "down_proj": lambda: layer.down.weight,
-            "input_layernorm": lambda: layer.input_norm,
-            "post_attention_layernorm": lambda: layer.post_norm,
-        }
-        return views[module]()
-
     # --- forward -------------------------------------------------------------------------------
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer ([S, kvh, hd] x 2)
-        meta: AttentionMetadata,
+        attention: AttentionBackend,
+        attn_meta: object,  # what attention.prepare built for this step
         logits_rows: torch.Tensor,  # [B] rows whose next-token logits are wanted
         lora: LoraHook | None = None,
     ) -> torch.Tensor:  # [B, V]
@@ -103,9 +77,8 @@ class LlamaModel:
             qk = apply_rope(qkv[:, : q_size + kv_size].reshape(-1, nh + kvh, hd), cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, q_size + kv_size :].reshape(-1, kvh, hd)
-            k_cache.index_copy_(0, meta.slot_mapping, k)
-            v_cache.index_copy_(0, meta.slot_mapping, v)
-            a = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale).reshape(-1, q_size)
+            a = attention.forward(q, k, v, k_cache, v_cache, attn_meta, self.scale)
+            a = a.reshape(-1, q_size)
             o = w.o(a)  # [T, d]
             if lora is not None:
                 lora(li, "o", a, o)

@@ -40,7 +40,7 @@ def sample(
     if greedy:
         tokens = logits.argmax(dim=-1)
     else:
-        tokens = torch.empty(len(params), dtype=torch.long)
+        tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
         for i, (p, g) in enumerate(zip(params, generators, strict=True)):
             if p.greedy:
                 tokens[i] = logits[i].argmax()

@@ -70,10 +70,6 @@ class Tokenizer:
         # The template already writes any BOS it wants, so add no special tokens again.
         return self.encode(self.render_chat(messages), add_special_tokens=False)
 
-    def detokenizer(
-        self, prompt_ids: Sequence[int] | None = None, skip_special_tokens: bool = True
-    ) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
 
 
 def _normalize_message(message: dict) -> dict:

@@ -1,19 +1,22 @@
-"""Value objects the scheduler hands to the engine."""
+"""Value objects between the scheduler and the model runner: what runs, and what came out."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Protocol
+from typing import NamedTuple
 
 from loraserve.request import Request
 
 
+class ScheduledSeq(NamedTuple):
+    request: Request
+    num_tokens: int  # tokens it feeds this step: a prompt chunk, a recompute, or 1 (decode)
+
+
 @dataclass
 class ScheduledBatch:
-    entries: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
+    entries: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    failed: list[tuple[Request, str]] = field(default_factory=list)  # could never run: why
 
     @property
     def num_tokens(self) -> int:
@@ -21,30 +24,29 @@ class ScheduledBatch:
 
     @property
     def adapter_uids(self) -> set[int]:
+        """The adapters this step runs (base model excluded): each needs a slot."""
         return {r.adapter_uid for r, _ in self.entries if r.adapter_uid is not None}
+
+    def add(self, req: Request, num_tokens: int) -> None:
+        self.entries.append(ScheduledSeq(req, num_tokens))
+
+    def drop(self, req: Request) -> None:
+        self.entries = [e for e in self.entries if e.request is not req]
 
     def __bool__(self) -> bool:
         return bool(self.entries)
 
 
-class AdapterState(Enum):
-    READY = "ready"  # weights in host memory and a slot can be had for it
-    LOADING = "loading"  # not in host memory yet; a load is under way
-    NO_SLOT = "no_slot"  # every slot is held by running or pinned adapters
-    FAILED = "failed"  # its load failed: the waiting request must get an error
+@dataclass(frozen=True)
+class StepOutput:
+    """What one forward pass produced: a token for every request whose known tokens are now
+    all computed (mid-prefill chunks sample nothing), in the order of `request_ids`."""
 
+    request_ids: list[str]
+    token_ids: list[int]
+    logprobs: list[float] | None = None  # chosen token's logprob per row, if any row asked
+    top_logprobs: list[dict[int, float] | None] | None = None
 
-class AdapterGate(Protocol):
-    """What the scheduler asks of the adapter store (implemented by adapters.store)."""
-
-    def admission(self, uid: int, running_uids: set[int]) -> tuple[AdapterState, str]:
-        """May a request for `uid` join a batch whose running adapters are `running_uids`?
-        Never blocks; may start a background load."""
-        ...
-
-
-class BaseOnlyGate:
-    """The gate of an engine without adapters."""
-
-    def admission(self, uid: int, running_uids: set[int]) -> tuple[AdapterState, str]:
-        return AdapterState.FAILED, f"adapter uid {uid} is unknown"
+    @classmethod
+    def empty(cls) -> StepOutput:
+        return cls([], [])

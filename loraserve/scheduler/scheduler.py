@@ -1,26 +1,44 @@
 """Continuous batching: decodes keep running, new requests join, chunked prefill, preemption.
 
-Each step: running requests first (decode or the next prefill chunk), preempting the most
-recently admitted when the KV pool is full (recompute); then waiting requests in FCFS order,
-subject to the token budget, the KV pool, and adapter admission. The distinct-adapters cap
-(base counts as one) is checked here, before anything is committed.
+`schedule()`: running requests first (a decode or the next prefill chunk), preempting the most
+recently admitted when the KV pool is full (recompute); then waiting requests in FCFS order
+through `Admission.try_add` (scheduler/admission.py: every admission rule, once).
+`update_from_output()`: the bookkeeping after the forward pass (computed tokens, sampled
+tokens, token-level stops), ending finished requests here. The scheduler never touches tensors.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Mapping
 
 from loraserve.config import EngineConfig
 from loraserve.kvcache.manager import KVCacheManager
 from loraserve.request import Request, RequestStatus
-from loraserve.scheduler.batch import AdapterGate, AdapterState, BaseOnlyGate, ScheduledBatch
+from loraserve.scheduler.admission import AdapterResidency, Admission, Decision
+from loraserve.scheduler.batch import ScheduledBatch, StepOutput
+from loraserve.types import FinishReason
+
+
+class _NoAdapters:
+    """Residency of an engine that serves no adapter (scheduler tests)."""
+
+    def is_ready(self, uid: int) -> bool:
+        return False
+
+    def can_bind(self, uids: set[int]) -> bool:
+        return not uids
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, gate: AdapterGate | None = None):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager,
+                 adapters: AdapterResidency | None = None, eos_token_ids: Iterable[int] = (),
+                 max_model_len: int | None = None):
         self.config = config
         self.kv = kv
-        self.gate: AdapterGate = gate or BaseOnlyGate()
+        self.adapters: AdapterResidency = adapters or _NoAdapters()
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len or config.max_model_len or 10**9
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
 
@@ -28,19 +46,31 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def remove(self, req: Request) -> None:
-        """Take a request out of the queues and give back its blocks (finish, abort, error)."""
+    def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
+        """End a request for any reason: out of the queues, its blocks back. Idempotent."""
+        if req.is_finished:
+            return
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.error = error
 
-    def running_uids(self) -> set[int | None]:
-        return {r.adapter_uid for r in self.running}
+    def fail_waiting(self, errors: Mapping[int, str]) -> list[Request]:
+        """End every waiting request of an adapter whose load failed (uid -> why)."""
+        failed = [r for r in self.waiting if r.adapter_uid in errors]
+        for r in failed:
+            self.finish(r, FinishReason.ERROR, errors[r.adapter_uid])
+        return failed
 
-    def waiting_uids(self) -> list[int]:
-        """Adapters the waiting queue will need, in queue order, without repeats (for prefetch)."""
+    def running_adapters(self) -> set[int]:
+        return {r.adapter_uid for r in self.running if r.adapter_uid is not None}
+
+    def waiting_adapters(self) -> list[int]:
+        """Adapters the waiting queue needs, in queue order, without repeats."""
         seen: dict[int, None] = {}
         for r in self.waiting:
             if r.adapter_uid is not None:
@@ -55,7 +85,6 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
-        scheduled: set[int] = set()
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING or budget == 0:
                 continue
@@ -68,11 +97,11 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue
             self.kv.allocate(req, n)
-            batch.entries.append((req, n))
-            scheduled.add(id(req))
+            batch.add(req, n)
             budget -= n
         if not batch.preempted:
-            self._admit_waiting(batch, budget)
+            self._admit_waiting(batch, Admission(self.config, self.kv, self.adapters,
+                                                 self.running, budget))
         return batch
 
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
@@ -84,48 +113,43 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         batch.preempted.append(req)
-        batch.entries = [(r, n) for r, n in batch.entries if r is not req]
+        batch.drop(req)
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        cap = self.config.max_loras_per_batch
-        running_uids = self.running_uids()
-        starving = False
+    def _admit_waiting(self, batch: ScheduledBatch, admission: Admission) -> None:
         for req in list(self.waiting):
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            decision, n = admission.try_add(req)
+            if decision is Decision.STOP:
                 break
-            uid = req.adapter_uid
-            if uid not in running_uids:
-                if len(running_uids | {uid}) > cap:
-                    req.blocked_steps += 1
-                    # Bounded wait: once the oldest blocked request has waited long enough,
-                    # nothing newer is admitted until it fits (running adapters drain).
-                    if req.blocked_steps >= self.config.starvation_steps:
-                        starving = True
-                    if starving:
-                        break
-                    continue
-                if uid is not None:
-                    state, why = self.gate.admission(uid, {u for u in running_uids if u})
-                    if state is AdapterState.FAILED:
-                        self.waiting.remove(req)
-                        batch.failed.append((req, why))
-                        continue
-                    if state is not AdapterState.READY:
-                        if state is AdapterState.NO_SLOT:
-                            req.blocked_steps += 1
-                            starving |= req.blocked_steps >= self.config.starvation_steps
-                            if starving:
-                                break
-                        continue
-            elif starving:
-                break
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.can_allocate(req, n):
-                break  # FCFS on memory: a large request is not overtaken forever
-            self.kv.allocate(req, n)
+            if decision is not Decision.ADMIT:
+                continue
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            running_uids.add(uid)
-            batch.entries.append((req, n))
-            budget -= n
+            batch.add(req, n)
+
+    def update_from_output(self, batch: ScheduledBatch, output: StepOutput) -> list[Request]:
+        """Advance every scheduled request by the tokens it computed, append the sampled
+        tokens, and end those that hit EOS, a stop token id, max_tokens or the context.
+        Returns the requests that got a token, in `output` order."""
+        for req, n in batch.entries:
+            req.num_computed_tokens += n
+        by_id = {req.request_id: req for req, _ in batch.entries}
+        sampled = []
+        for i, (rid, token) in enumerate(zip(output.request_ids, output.token_ids, strict=True)):
+            req = by_id[rid]
+            lp = output.logprobs[i] if output.logprobs is not None else None
+            top = output.top_logprobs[i] if output.top_logprobs is not None else None
+            req.append_token(token, lp, top)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.finish(req, reason)
+            sampled.append(req)
+        return sampled
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return FinishReason.STOP
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None

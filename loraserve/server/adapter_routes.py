@@ -15,7 +15,7 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from loraserve.engine.async_engine import engine_snapshot
+from loraserve.engine.messages import EngineSnapshot
 from loraserve.server import protocol as P
 from loraserve.server.context import ServerContext, parse_body
 from loraserve.server.errors import ApiError
@@ -68,20 +68,18 @@ async def unload(ctx: ServerContext, request: Request) -> JSONResponse:
 
 
 async def _listing(ctx: ServerContext, message: str) -> JSONResponse:
-    snap = await ctx.aengine.call(engine_snapshot)
+    snap = await ctx.aengine.snapshot()
     cards = [c for c in model_cards(ctx, snap) if c["parent"] is not None]
     return JSONResponse({"success": True, "message": message,
                          "loaded_adapters": {c["id"]: c["root"] for c in cards},
                          "object": "list", "data": cards})
 
 
-def model_cards(ctx: ServerContext, snap: dict) -> list[dict]:
+def model_cards(ctx: ServerContext, snap: EngineSnapshot) -> list[dict]:
     base = ctx.model_name
-    cards = [P.model_card(base, root=str(getattr(ctx.engine, "model_path", base)), parent=None,
-                          tier="device", pinned=True)]
-    for a in snap["adapters"]:
-        if a["registered"]:
-            cards.append(P.model_card(a["name"], root=a["path"], parent=base, tier=a["tier"],
-                                      pinned=a["pinned"], rank=a["rank"],
-                                      in_flight=a["refcount"]))
+    cards = [P.model_card(base, root=ctx.model_path, parent=None, tier="device", pinned=True)]
+    for a in snap.adapters:
+        if a.registered:
+            cards.append(P.model_card(a.name, root=a.path, parent=base, tier=a.tier,
+                                      pinned=a.pinned, rank=a.rank, in_flight=a.refcount))
     return cards

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from loraserve.engine.async_engine import AsyncEngine, engine_snapshot
+from loraserve.engine.async_engine import AsyncEngine
 from loraserve.server import adapter_routes, serving
 from loraserve.server.auth import AuthMiddleware
 from loraserve.server.context import ServerContext
@@ -56,7 +56,7 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
 
     @app.get("/v1/models")
     async def models() -> Response:
-        snap = await async_engine.call(engine_snapshot)
+        snap = await async_engine.snapshot()
         return JSONResponse({"object": "list", "data": adapter_routes.model_cards(ctx, snap)})
 
     for prefix in ("/v1", ""):
@@ -67,21 +67,22 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        snap = await async_engine.call(engine_snapshot)
+        snap = await async_engine.snapshot()
         return Response(ctx.metrics.render(snap),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/debug/state")
     async def debug_state() -> Response:
-        snap = await async_engine.call(engine_snapshot)
+        snap = await async_engine.snapshot()
         return JSONResponse({
-            "kv_blocks_used": snap["kv_blocks_used"],
-            "kv_blocks_free": snap["kv_blocks_total"] - snap["kv_blocks_used"],
-            "kv_blocks_total": snap["kv_blocks_total"],
-            "running": snap["running"], "waiting": snap["waiting"],
+            "kv_blocks_used": snap.kv_blocks_used,
+            "kv_blocks_free": snap.kv_blocks_total - snap.kv_blocks_used,
+            "kv_blocks_total": snap.kv_blocks_total,
+            "running": snap.running, "waiting": snap.waiting,
             "engine_errors": async_engine.errors,
-            "adapters": [{k: a[k] for k in ("name", "uid", "tier", "pinned", "refcount",
-                                            "registered")} for a in snap["adapters"]],
+            "adapters": [{"name": a.name, "uid": a.uid, "tier": a.tier, "pinned": a.pinned,
+                          "refcount": a.refcount, "registered": a.registered,
+                          "last_error": a.last_error} for a in snap.adapters],
         })
 
     return app

@@ -1,4 +1,6 @@
-"""`loraserve serve`: server flags, then build the engine, load --lora-paths and run uvicorn."""
+"""`loraserve serve`'s server flags (limits, keys, runtime-adapter policy) and logging.
+
+The engine's flags and the composition root (build the engine, run uvicorn) are in cli.py."""
 
 from __future__ import annotations
 
@@ -48,35 +50,3 @@ def configure_logging(level: str) -> None:
     # loraserve.* loggers (adapter loaded/evicted/reloaded) go to stderr next to uvicorn's.
     logging.basicConfig(level=level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    configure_logging(args.log_level)
-    log = logging.getLogger("loraserve.server")
-    try:
-        settings = settings_from_args(args)  # refuses unsafe flag combinations
-    except ValueError as e:
-        raise SystemExit(f"loraserve serve: {e}") from e
-
-    import uvicorn
-
-    from loraserve.cli import _lora_paths, engine_kwargs
-    from loraserve.config import EngineConfig
-    from loraserve.engine.async_engine import AsyncEngine
-    from loraserve.engine.lora_engine import LoraEngine
-    from loraserve.server.app import create_app
-    from loraserve.types import LoraServeError
-
-    engine = LoraEngine(args.model, EngineConfig(**engine_kwargs(args)))
-    for name, path in _lora_paths(args.lora_paths).items():
-        try:
-            engine.load_lora_adapter(name, path)
-        except LoraServeError as e:  # a bad adapter at startup stops the server, clearly
-            raise SystemExit(f"loraserve serve: --lora-paths {name}={path}: {e}") from e
-    log.info("model %s from %s; %d adapters; runtime adapter updates %s", engine.model_name,
-             engine.model_path, len(engine.list_adapters()),
-             "on" if settings.runtime_lora_updates else "off")
-    app = create_app(AsyncEngine(engine), settings)
-    uvicorn.run(app, host=args.host, port=args.port, http="h11", log_level=args.log_level,
-                h11_max_incomplete_event_size=H11_MAX_EVENT_BYTES, timeout_graceful_shutdown=5)
-    return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 from fastapi import Request
@@ -26,21 +27,16 @@ class ServerContext:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
 
     def __post_init__(self) -> None:
-        e = self.engine
-        self.model_name: str = e.model_name
-        path = getattr(e, "model_path", None)
-        names = {self.model_name, *self.settings.served_model_names}
-        if path is not None:
-            names |= {str(path), path.name}
+        info = self.aengine.info
+        self.model_name: str = info.model_name
+        self.model_path: str = info.model_path
+        names = {self.model_name, *self.settings.served_model_names, info.model_path,
+                 Path(info.model_path).name}
         self.base_names = frozenset(n for n in names if n)
 
     @property
-    def engine(self):
-        return self.aengine.engine
-
-    @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.aengine.tokenizer
 
     def resolve_model(self, model: str | None) -> str | None:
         """`model` -> adapter name, or None for the base model. Unknown names: 404."""

@@ -13,6 +13,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from loraserve.engine.messages import EngineSnapshot
 from loraserve.types import RequestOutput
 
 TIERS = {"disk": 0, "host": 1, "device": 2}
@@ -38,7 +39,7 @@ class ServerMetrics:
         self.load_seconds = Histogram("loraserve_adapter_load_seconds",
                                       "Adapter load latency (read + validate), per adapter",
                                       ["adapter"], buckets=_LATENCY, registry=r)
-        self._snap: dict | None = None
+        self._snap: EngineSnapshot | None = None
         self._seen_loads: dict[int, tuple[int, float]] = {}  # uid -> (loads, total seconds)
         self._labelled: set[str] = set()  # adapter names with series in the two metrics above
         r.register(_SnapshotCollector(self))
@@ -52,23 +53,22 @@ class ServerMetrics:
         self._labelled.add(adapter)
         self.adapter_tokens.labels(adapter).inc(n)
 
-    def render(self, snapshot: dict) -> bytes:
+    def render(self, snapshot: EngineSnapshot) -> bytes:
         self._update(snapshot)
         return generate_latest(self.registry)
 
-    def _update(self, snap: dict) -> None:
+    def _update(self, snap: EngineSnapshot) -> None:
         self._snap = snap
-        live = {a["name"] for a in snap["adapters"] if a["registered"]}
+        live = {a.name for a in snap.adapters if a.registered}
         seen = {}
-        for a in snap["adapters"]:
-            st = a["stats"]
-            loads, total = st["loads"], st["total_load_seconds"]
-            old_loads, old_total = self._seen_loads.get(a["uid"], (loads, total))
-            if loads > old_loads and a["registered"]:  # background reloads since last scrape
+        for a in snap.adapters:
+            loads, total = a.stats.loads, a.stats.total_load_seconds
+            old_loads, old_total = self._seen_loads.get(a.uid, (loads, total))
+            if loads > old_loads and a.registered:  # background reloads since last scrape
                 avg = (total - old_total) / (loads - old_loads)
                 for _ in range(loads - old_loads):
-                    self.observe_load(a["name"], avg)
-            seen[a["uid"]] = (loads, total)
+                    self.observe_load(a.name, avg)
+            seen[a.uid] = (loads, total)
         self._seen_loads = seen
         for name in self._labelled - live:  # bounded cardinality: only registered adapters
             for metric in (self.adapter_tokens, self.load_seconds):
@@ -118,14 +118,13 @@ class _SnapshotCollector:
         snap = self.m._snap
         if snap is None:
             return
-        yield _gauge("loraserve_num_requests_running", "Requests running", snap["running"])
-        yield _gauge("loraserve_num_requests_waiting", "Requests waiting", snap["waiting"])
+        yield _gauge("loraserve_num_requests_running", "Requests running", snap.running)
+        yield _gauge("loraserve_num_requests_waiting", "Requests waiting", snap.waiting)
         yield _gauge("loraserve_kv_cache_usage_ratio", "Fraction of KV blocks in use",
-                     snap["kv_usage"])
-        yield _gauge("loraserve_kv_cache_blocks_used", "KV blocks in use",
-                     snap["kv_blocks_used"])
-        yield _gauge("loraserve_kv_cache_blocks_total", "KV blocks", snap["kv_blocks_total"])
-        live = [a for a in snap["adapters"] if a["registered"]]
+                     snap.kv_usage)
+        yield _gauge("loraserve_kv_cache_blocks_used", "KV blocks in use", snap.kv_blocks_used)
+        yield _gauge("loraserve_kv_cache_blocks_total", "KV blocks", snap.kv_blocks_total)
+        live = [a for a in snap.adapters if a.registered]
         yield _gauge("loraserve_adapters_registered", "Registered adapters", len(live))
         per = {
             "tier": GaugeMetricFamily("loraserve_adapter_tier",
@@ -148,12 +147,12 @@ class _SnapshotCollector:
                                                   labels=["adapter"]),
         }
         for a in live:
-            name, st = [a["name"]], a["stats"]
-            per["tier"].add_metric(name, TIERS[a["tier"]])
-            per["pinned"].add_metric(name, int(a["pinned"]))
-            per["in_flight"].add_metric(name, a["refcount"])
+            name = [a.name]
+            per["tier"].add_metric(name, TIERS[a.tier])
+            per["pinned"].add_metric(name, int(a.pinned))
+            per["in_flight"].add_metric(name, a.refcount)
             for key in ("requests", "loads", "host_evictions", "slot_evictions"):
-                per[key].add_metric(name, st[key])
+                per[key].add_metric(name, getattr(a.stats, key))
         yield from per.values()
 
 

@@ -43,8 +43,8 @@ async def chat_completions(ctx: ServerContext, request: Request) -> Response:
     ids = await _tokenize(ctx, req.message_dicts())
     max_tokens = req.max_new_tokens
     if max_tokens is None:  # the room left in the context, within the server's cap
-        e = ctx.engine
-        room = min(e.max_model_len, e.kv.capacity_tokens) - len(ids)
+        info = ctx.aengine.info
+        room = min(info.max_model_len, info.kv_capacity_tokens) - len(ids)
         max_tokens = max(1, min(ctx.settings.max_tokens_limit, room))
     params = _params(ctx, req, max_tokens, len(ids), req.num_logprobs)
     return await _serve(ctx, request, req, [ids], params, lora, chat=True)

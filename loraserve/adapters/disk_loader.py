@@ -10,11 +10,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import NamedTuple
 
 from loraserve.adapters.format import LoraAdapterWeights
 
 
-class HostLoader:
+class LoadResult(NamedTuple):
+    uid: int
+    weights: LoraAdapterWeights | None  # None when the read failed
+    seconds: float
+    error: str | None  # the reader's message, verbatim, for the waiting requests
+
+
+class DiskLoader:
     def __init__(self, read: Callable[[str], LoraAdapterWeights], workers: int = 2):
         self._read = read
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lora-load")
@@ -44,8 +52,8 @@ class HostLoader:
         if fut is not None:
             fut.cancel()
 
-    def collect(self) -> list[tuple[int, LoraAdapterWeights | None, float, str | None]]:
-        """Finished loads: (uid, weights or None, seconds, error message or None)."""
+    def collect(self) -> list[LoadResult]:
+        """Loads that finished since the last call."""
         done = []
         for uid, fut in list(self._pending.items()):
             if not fut.done():
@@ -53,9 +61,9 @@ class HostLoader:
             del self._pending[uid]
             try:
                 weights, secs = fut.result()
-                done.append((uid, weights, secs, None))
+                done.append(LoadResult(uid, weights, secs, None))
             except Exception as e:  # the message goes to the waiting requests, verbatim
-                done.append((uid, None, 0.0, str(e) or type(e).__name__))
+                done.append(LoadResult(uid, None, 0.0, str(e) or type(e).__name__))
         return done
 
     def wait_any(self, timeout: float) -> None:

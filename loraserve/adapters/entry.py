@@ -1,0 +1,55 @@
+"""One registered adapter's record in the store, and the read-only view others get of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from loraserve.adapters.format import LoraAdapterWeights
+from loraserve.adapters.stats import AdapterStats
+
+
+@dataclass
+class AdapterEntry:
+    """Owned by the AdapterStore; nobody else changes it."""
+
+    uid: int
+    name: str
+    path: str
+    fingerprint: str  # content hash of the weights registered under this uid
+    pinned: bool = False
+    weights: LoraAdapterWeights | None = None  # host tier
+    slot: int | None = None  # compute tier
+    refcount: int = 0  # requests admitted and not yet ended
+    unloading: bool = False  # unregistered; freed when refcount reaches 0
+    last_error: str | None = None  # the last failed background load, for operators
+    last_used: int = 0  # LRU tick
+    prefetched: bool = False  # brought in ahead of use and not used since: evicted first
+    stats: AdapterStats = field(default_factory=AdapterStats)
+
+    @property
+    def tier(self) -> str:
+        return "device" if self.slot is not None else "host" if self.weights else "disk"
+
+    def snapshot(self) -> AdapterSnapshot:
+        return AdapterSnapshot(
+            name=self.name, uid=self.uid, path=self.path, tier=self.tier, pinned=self.pinned,
+            refcount=self.refcount, registered=not self.unloading, last_error=self.last_error,
+            rank=self.weights.rank if self.weights is not None else None,
+            fingerprint=self.fingerprint, stats=replace(self.stats))
+
+
+@dataclass(frozen=True)
+class AdapterSnapshot:
+    """An adapter as /v1/models, /metrics and tests see it at one moment between steps."""
+
+    name: str
+    uid: int
+    path: str
+    tier: str  # "disk", "host" or "device"
+    pinned: bool
+    refcount: int
+    registered: bool  # False while an unloaded adapter drains its last requests
+    last_error: str | None
+    rank: int | None  # None while its weights are on disk only
+    fingerprint: str
+    stats: AdapterStats

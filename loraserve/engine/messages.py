@@ -1,0 +1,93 @@
+"""Typed messages between the server side and the engine thread: commands in, snapshots out.
+
+Plain data only (no callables), so the same messages could cross a process boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loraserve.adapters.entry import AdapterSnapshot
+from loraserve.adapters.format import LoraAdapterWeights
+from loraserve.config import ModelConfig
+from loraserve.types import SamplingParams
+
+Prompt = str | list[int] | list[dict]
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class CheckAdapterLoad:
+    """Validate a load before any disk I/O. Reply: True when it is a no-op (already loaded
+    from that path; at most it pins the adapter)."""
+
+    name: str
+    path: str
+    pinned: bool = False
+
+
+@dataclass(frozen=True)
+class LoadAdapter:
+    """Commit an adapter; `weights` read and validated off the engine thread (None: the
+    same name and path are registered already)."""
+
+    name: str
+    path: str
+    pinned: bool = False
+    weights: LoraAdapterWeights | None = None
+
+
+@dataclass(frozen=True)
+class UnloadAdapter:
+    name: str
+
+
+@dataclass(frozen=True)
+class GetSnapshot:
+    pass
+
+
+EngineCommand = AddRequest | AbortRequest | CheckAdapterLoad | LoadAdapter | UnloadAdapter | \
+    GetSnapshot
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the server needs to know of the engine; fixed for the engine's lifetime."""
+
+    model_name: str
+    model_path: str
+    model_config: ModelConfig
+    max_model_len: int
+    kv_capacity_tokens: int
+    max_lora_rank: int
+    allow_pickle_adapters: bool
+    lora_backend: str
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """A consistent view of the engine between two steps (/metrics, /v1/models, debug)."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_steps: int
+    adapters: tuple[AdapterSnapshot, ...]
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total

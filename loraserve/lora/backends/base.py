@@ -1,0 +1,77 @@
+"""The LoRA op's interface: every backend computes exactly this, and is tested against
+lora/reference.py through it.
+
+Semantics. The step's tokens form a flat batch; `plan(seq_slots)` says which slot each
+sequence uses (None/-1: the base model), in batch order, and tokens of one slot are merged
+into contiguous segments. Then, for one layer and module group g, `apply(plan, layer, g, x, y)`
+does, in place on y, for every token t of a segment of slot s and every module m of g that
+slot s's adapter targets in that layer:
+
+    y[t, cols_m] += (x[t] @ A_m.T) @ B_m.T          (B already carries the scale)
+
+Base-model tokens, and groups the slot's adapter does not target, are left bit-for-bit
+unchanged. Adapters of different ranks share a batch, and each segment costs its slot's
+packed rank, never max_lora_rank (the slot layout is lora/layout.py). Segments may be empty.
+A batch with no adapter token has no plan at all (`plan` returns None), so a base-only step
+pays nothing for LoRA.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from loraserve.lora.batch import LoraBatch, SlotWeights
+from loraserve.lora.layout import GROUP_NAMES
+
+
+@dataclass(frozen=True)
+class LoraPlan:
+    """One step's metadata: the segments, and per group with work the backend's own data."""
+
+    batch: LoraBatch
+    groups: dict[str, Any]
+
+
+class LoraBackend(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, weights: SlotWeights) -> None:
+        self.weights = weights
+
+    def plan(self, seq_slots: Sequence[tuple[int | None, int]]) -> LoraPlan | None:
+        """Built once per step, reused by every layer and group; None for a base-only batch."""
+        batch = LoraBatch.build(seq_slots, self.weights)
+        if batch.is_empty:
+            return None
+        groups = {}
+        for g in GROUP_NAMES:
+            segs = batch.group_segments(g)
+            if segs:  # no adapter here targets this group: no work at all
+                groups[g] = self.plan_group(batch, g, segs)
+        return LoraPlan(batch, groups)
+
+    def apply(self, plan: LoraPlan, layer: int, group: str, x: torch.Tensor,
+              y: torch.Tensor) -> None:
+        """x: [T, d_in] the group's input; y: [T, d_out_g] its fused output, updated in place
+        (rows contiguous)."""
+        data = plan.groups.get(group)
+        if data is not None:
+            self.apply_group(data, self.weights.A[layer][group], self.weights.B[layer][group],
+                             x, y)
+
+    @abstractmethod
+    def plan_group(self, batch: LoraBatch, group: str,
+                   segments: list[tuple[int, int, int, int]]) -> Any:
+        """This backend's data for one group; `segments`: (slot, start, end, packed rank)
+        of the segments that touch it."""
+
+    @abstractmethod
+    def apply_group(self, data: Any, group_A: torch.Tensor, group_B: torch.Tensor,
+                    x: torch.Tensor, y: torch.Tensor) -> None:
+        """The op on one layer's weights of the group: group_A [S, R_g * d_in], group_B
+        [S, max_rank * d_out_g] (the slot pool's tensors)."""

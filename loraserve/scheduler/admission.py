@@ -1,0 +1,87 @@
+"""Admission: every rule deciding whether a waiting request joins this step's batch, once.
+
+`try_add` runs the checks first (none has a side effect), then commits what they allowed:
+    - sequence limit (max_num_seqs) and token budget (max_num_batched_tokens);
+    - the distinct-adapters cap (max_loras_per_batch, the base model counting as one), counting
+      every request already in the batch: running ones, chunked prefills, this step's admits;
+    - compute slots: the store must be able to bind the batch's adapters at once (pinned ones
+      hold theirs); adapter weights must be in host memory (loads start in store.prepare);
+    - the KV pool (check, then allocate), first come first served: a request that does not fit
+      stops admission rather than being overtaken forever;
+    - the starvation bound: once a request has been refused by the cap or the slots for
+      `starvation_steps` steps, nothing newer is admitted until it fits.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Protocol
+
+from loraserve.config import EngineConfig
+from loraserve.kvcache.manager import KVCacheManager
+from loraserve.request import Request
+
+
+class AdapterResidency(Protocol):
+    """What admission asks of the adapter store (adapters/store.py). Pure queries."""
+
+    def is_ready(self, uid: int) -> bool:
+        """Its weights are in host memory: a slot can be filled from them this step."""
+        ...
+
+    def can_bind(self, uids: set[int]) -> bool:
+        """These adapters can all hold a compute slot at the same time."""
+        ...
+
+
+class Decision(Enum):
+    ADMIT = "admit"
+    NOT_READY = "not_ready"  # adapter weights still loading: try a later request
+    BLOCKED = "blocked"  # the adapter cap or the slots refuse it: counts toward starvation
+    STOP = "stop"  # budget, sequence limit, KV pool or a starving request: admit no more
+
+
+class Admission:
+    """One step's admission state, built after the running requests took their share."""
+
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, adapters: AdapterResidency,
+                 running: list[Request], token_budget: int):
+        self.config = config
+        self.kv = kv
+        self.adapters = adapters
+        self.num_seqs = len(running)
+        self.token_budget = token_budget
+        self.batch_adapters: set[int | None] = {r.adapter_uid for r in running}
+        self.starving = False
+
+    def try_add(self, req: Request) -> tuple[Decision, int]:
+        """(decision, tokens it feeds this step if admitted). On ADMIT its KV blocks are
+        allocated and the batch's counters updated; on BLOCKED its starvation count grows."""
+        if self.starving or self.token_budget == 0 or self.num_seqs >= self.config.max_num_seqs:
+            return Decision.STOP, 0
+        uid = req.adapter_uid
+        if uid not in self.batch_adapters:
+            if len(self.batch_adapters) + 1 > self.config.max_loras_per_batch:
+                return self._blocked(req), 0
+            if uid is not None:
+                if not self.adapters.is_ready(uid):
+                    return Decision.NOT_READY, 0
+                lora_uids = {u for u in self.batch_adapters if u is not None}
+                if not self.adapters.can_bind(lora_uids | {uid}):
+                    return self._blocked(req), 0
+        n = min(req.num_tokens - req.num_computed_tokens, self.token_budget)
+        if not self.kv.can_allocate(req, n):
+            return Decision.STOP, 0
+        # every check passed: commit
+        self.kv.allocate(req, n)
+        self.num_seqs += 1
+        self.token_budget -= n
+        self.batch_adapters.add(uid)
+        return Decision.ADMIT, n
+
+    def _blocked(self, req: Request) -> Decision:
+        req.blocked_steps += 1
+        if req.blocked_steps >= self.config.starvation_steps:
+            self.starving = True  # bounded wait: nothing newer goes ahead of it
+            return Decision.STOP
+        return Decision.BLOCKED

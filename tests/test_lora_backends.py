@@ -1,0 +1,92 @@
+"""Every registered LoRA backend against the plain reference, through the LoraBackend ABC only
+(fresh random inputs, mixed ranks 4..64, empty segments, base rows between adapter rows), and
+the registry: chosen once by name, unknown names refused, the C kernel's fallback."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_lora_ops import CFG, MAX_RANK, make_adapter
+
+from loraserve.adapters.slot_pool import LoraSlotPool
+from loraserve.config import LORA_MODULES
+from loraserve.lora import sgmv_cpu
+from loraserve.lora.backends import LORA_BACKENDS, LoraBackend, create_lora_backend
+from loraserve.lora.batch import LoraBatch
+from loraserve.lora.reference import lora_reference
+
+
+def random_pool(rng: random.Random):
+    """Six adapters of random ranks in 4..64 on random module subsets, one slot left empty."""
+    adapters = []
+    for _ in range(6):
+        mods = rng.sample(LORA_MODULES, rng.randint(1, len(LORA_MODULES)))
+        adapters.append(make_adapter(100 + rng.randrange(10**6), rng.randint(4, MAX_RANK), mods))
+    pool = LoraSlotPool(CFG, len(adapters) + 1, MAX_RANK)
+    for s, w in enumerate(adapters):
+        pool.write(s, w)
+    return pool, adapters
+
+
+@pytest.mark.parametrize("name", sorted(LORA_BACKENDS))
+@pytest.mark.parametrize("seed", range(3))
+def test_backend_equals_reference_through_the_abc(name, seed):
+    rng = random.Random(seed)
+    pool, adapters = random_pool(rng)
+    backend = create_lora_backend(pool, name)
+    assert isinstance(backend, LoraBackend) and backend.name == name
+    seqs = []
+    for _ in range(14):
+        kind = rng.random()
+        if kind < 0.2:
+            seqs.append((None, rng.choice([1, 3])))  # base rows between adapter rows
+        elif kind < 0.3:
+            seqs.append((rng.randrange(len(adapters)), 0))  # an empty segment
+        else:
+            seqs.append((rng.randrange(len(adapters)), rng.choice([1, 1, 2, 9, 33])))
+    plan = backend.plan(seqs)
+    token_slots = LoraBatch.build(seqs, pool).token_slots()
+    g = torch.Generator().manual_seed(seed)
+    for layer in range(CFG.num_hidden_layers):
+        mods = [None if s < 0 else adapters[s].layers[layer] for s in token_slots]
+        for group, lay in pool.layouts.items():
+            x = torch.randn(len(token_slots), lay.d_in, generator=g)  # x: [T, d_in]
+            y = torch.randn(len(token_slots), lay.d_out, generator=g)  # y: [T, d_out_g]
+            want = lora_reference(x, y.clone(), mods, lay)
+            got = y.clone()
+            backend.apply(plan, layer, group, x, got)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            base = [t for t, s in enumerate(token_slots) if s < 0]
+            assert torch.equal(got[base], y[base]), "a base row changed"
+
+
+@pytest.mark.parametrize("name", sorted(LORA_BACKENDS))
+def test_base_only_batch_has_no_plan(name):
+    pool, _ = random_pool(random.Random(5))
+    backend = create_lora_backend(pool, name)
+    assert backend.plan([(None, 3), (-1, 2)]) is None
+    assert backend.plan([(6, 4)]).groups == {}  # an empty slot touches no group
+
+
+def test_registry_by_name_env_and_errors(monkeypatch):
+    pool, _ = random_pool(random.Random(6))
+    monkeypatch.delenv("LORASERVE_LORA_BACKEND", raising=False)
+    assert create_lora_backend(pool).name == "cpu"  # the default where gcc exists
+    monkeypatch.setenv("LORASERVE_LORA_BACKEND", "torch")
+    assert create_lora_backend(pool).name == "torch"
+    assert create_lora_backend(pool, "cpu").name == "cpu"  # an explicit name wins
+    with pytest.raises(ValueError, match="unknown LoRA backend 'triton'.*'cpu', 'torch'"):
+        create_lora_backend(pool, "triton")
+
+
+def test_cpu_falls_back_to_torch_without_a_compiler(monkeypatch, tmp_path, caplog):
+    pool, _ = random_pool(random.Random(7))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("LORASERVE_CACHE", str(tmp_path))  # nothing built here yet
+    monkeypatch.setattr(sgmv_cpu, "_libs", {})  # forget the kernels this process built
+    with caplog.at_level("WARNING"):
+        backend = create_lora_backend(pool, "cpu")
+    assert backend.name == "torch"
+    assert "C LoRA kernel" in caplog.text and "torch" in caplog.text
