@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 # Adapter names: letters, digits, '.', '_' and '-' only; ':' is reserved for 'base:adapter'.
 ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+# Below this a temperature means greedy: dividing logits by it would overflow (vLLM's
+# _SAMPLING_EPS); a seed must fit torch.Generator.manual_seed.
+SAMPLING_EPS = 1e-5
+SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 class FinishReason(StrEnum):
@@ -36,11 +41,16 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise ValueError("max_tokens must be >= 1")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.temperature < SAMPLING_EPS:
+            object.__setattr__(self, "temperature", 0.0)  # greedy, exactly
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got a {self.seed.bit_length()}"
+                             "-bit integer")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
 

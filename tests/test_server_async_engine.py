@@ -66,8 +66,10 @@ def test_cancel_aborts_and_frees_blocks(aengine):
 
 
 def test_step_failure_fails_requests_and_keeps_serving(aengine):
+    # A failure outside the forward pass (here: the scheduler) fails the step's requests; one
+    # inside it is contained to its request (tests/test_request_isolation.py).
     engine = aengine.engine
-    real = engine.runner.execute
+    real = engine.scheduler.schedule
     calls = {"n": 0}
 
     def flaky(*a, **kw):
@@ -79,11 +81,11 @@ def test_step_failure_fails_requests_and_keeps_serving(aengine):
     sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
     async def main():
-        engine.runner.execute = flaky
+        engine.scheduler.schedule = flaky
         try:
             out = await last(aengine, "hello", sp)
         finally:
-            engine.runner.execute = real
+            engine.scheduler.schedule = real
         assert out.finish_reason is FinishReason.ERROR and "internal error" in out.error
         snap = await aengine.snapshot()
         assert snap.kv_blocks_used == 0

@@ -29,6 +29,7 @@ from loraserve.model.bundled import resolve_model_path
 from loraserve.model.loader import load_model
 from loraserve.model.tokenizer import Tokenizer
 from loraserve.request import Request
+from loraserve.scheduler.batch import ScheduledBatch, StepOutput
 from loraserve.scheduler.scheduler import Scheduler
 from loraserve.types import FinishReason, RequestOutput, RequestTooLargeError, SamplingParams
 
@@ -79,13 +80,38 @@ class LLMEngine:
         sampled = []
         if batch:
             self.num_steps += 1
-            output = self.runner.execute(batch, store.bind(batch.adapter_uids))
+            output, broken = self._execute(batch, store.bind(batch.adapter_uids))
+            ended += broken
             sampled = sched.update_from_output(batch, output)
             for req in self.output_processor.process(sampled):  # ended by a stop string
                 sched.finish(req, FinishReason.STOP)
         elif sched.waiting and not sched.running:
             store.wait_for_loads(timeout=0.05)  # only an adapter load can make progress
         return [self._output(r) for r in ended + sampled]
+
+    def _execute(self, batch: ScheduledBatch, slots: dict[int, int]) -> tuple[StepOutput,
+                                                                            list[Request]]:
+        """Run the batch. If the forward pass or sampling raises, contain it: run each request
+        alone (its RNG as before the failed attempt) and end only those that still fail, so
+        an unforeseen bug costs one request, not everyone in its step."""
+        rng = self.runner.rng_states(batch)
+        try:
+            return self.runner.execute(batch, slots), []
+        except Exception:
+            log.exception("engine step failed; retrying its %d requests one by one",
+                          len(batch.entries))
+        self.runner.restore_rng_states(rng)
+        outputs, broken = [], []
+        for seq in list(batch.entries):
+            try:
+                outputs.append(self.runner.execute(ScheduledBatch([seq]), slots))
+            except Exception:
+                log.exception("request %s failed in the engine step", seq.request.request_id)
+                batch.drop(seq.request)
+                self.scheduler.finish(seq.request, FinishReason.ERROR,
+                                      "internal error while computing this request")
+                broken.append(seq.request)
+        return StepOutput.concat(outputs), broken
 
     def _output(self, req: Request) -> RequestOutput:
         if req.is_finished:

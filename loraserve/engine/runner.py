@@ -35,6 +35,17 @@ class ModelRunner:
         # Requests without a seed of their own sample from this one (reproducible per run).
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
 
+    def rng_states(self, batch: ScheduledBatch) -> list[tuple[torch.Generator, torch.Tensor]]:
+        """The sampling RNGs this batch may draw from, with their states (to replay a step)."""
+        gens = [self.generator] + [r.generator for r, _ in batch.entries
+                                   if r.generator is not None]
+        return [(g, g.get_state()) for g in gens]
+
+    @staticmethod
+    def restore_rng_states(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+        for g, state in states:
+            g.set_state(state)
+
     def execute(self, batch: ScheduledBatch, slots: Mapping[int, int]) -> StepOutput:
         """Run one step. `slots`: LoRA slot of each adapter uid in the batch (store.bind)."""
 

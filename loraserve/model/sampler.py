@@ -26,6 +26,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
         probs = sorted_logits.softmax(-1)
         # Drop a token when the mass before it already reaches top_p (always keeps the first).
         drop = (probs.cumsum(-1) - probs) >= top_p
+        drop[0] = False  # the top token always stays, however small top_p (even 0 in float32)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
     return logits

@@ -50,3 +50,13 @@ class StepOutput:
     @classmethod
     def empty(cls) -> StepOutput:
         return cls([], [])
+
+    @classmethod
+    def concat(cls, parts: list[StepOutput]) -> StepOutput:
+        """The outputs of several runs of disjoint requests, as one."""
+        ids = [r for p in parts for r in p.request_ids]
+        tokens = [t for p in parts for t in p.token_ids]
+        with_lp = any(p.logprobs is not None for p in parts)
+        lps = [lp for p in parts for lp in (p.logprobs or [None] * len(p.request_ids))]
+        tops = [t for p in parts for t in (p.top_logprobs or [None] * len(p.request_ids))]
+        return cls(ids, tokens, lps if with_lp else None, tops if with_lp else None)

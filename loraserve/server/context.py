@@ -18,6 +18,7 @@ from loraserve.server.settings import ServerSettings
 from loraserve.types import ADAPTER_NAME_RE
 
 M = TypeVar("M", bound=BaseModel)
+MAX_JSON_DEPTH = 32  # OpenAI requests nest 5-6 levels (content parts, tool schemas)
 
 
 @dataclass
@@ -62,15 +63,47 @@ class ServerContext:
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
+def check_json_values(data: object) -> None:
+    """Refuse what JSON can carry but nothing downstream should see: nesting deeper than
+    MAX_JSON_DEPTH, and strings that are not valid Unicode (lone surrogates from \\ud800
+    escapes, which no tokenizer or file system accepts)."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels",
+                           "invalid_json")
+        if isinstance(value, str):
+            _check_text(value)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                _check_text(k)
+                stack.append((v, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+
+
+def _check_text(s: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"a string in the request is not valid Unicode ({e.reason} at "
+                            f"position {e.start})", "invalid_json") from e
+
+
 async def parse_body(request: Request, model: type[M]) -> M:
     """The JSON body validated into `model`; malformed or invalid input is a 400."""
     raw = await request.body()
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except RecursionError as e:
+        raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels",
+                       "invalid_json") from e
+    except ValueError as e:  # JSONDecodeError, bad UTF-8, an integer of over 4300 digits
         raise ApiError(400, f"the request body is not valid JSON: {e}", "invalid_json") from e
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object", "invalid_request")
+    check_json_values(data)
     try:
         return model.model_validate(data)
     except ValidationError as e:

@@ -20,7 +20,7 @@ from loraserve.server.context import ServerContext, parse_body
 from loraserve.server.errors import ApiError, error_body
 from loraserve.server.formatting import DeltaTracker, LogprobFormatter, full_choice, is_error, sse
 from loraserve.server.metrics import RequestTimer
-from loraserve.types import AdapterNotFoundError, SamplingParams
+from loraserve.types import SEED_RANGE, AdapterNotFoundError, SamplingParams
 
 
 async def completions(ctx: ServerContext, request: Request) -> Response:
@@ -94,6 +94,12 @@ def _params(ctx: ServerContext, req, max_tokens: int, prompt_len: int,
         raise ApiError(400, str(e), "invalid_sampling_params") from e
 
 
+def _nth_seed(seed: int, j: int) -> int:
+    """Seed of choice j: seed + j, wrapped within the seeds a generator accepts."""
+    lo, hi = SEED_RANGE
+    return (seed + j - lo) % (hi - lo + 1) + lo
+
+
 # --- admission, then stream or collect --------------------------------------------------------
 
 
@@ -105,7 +111,7 @@ async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: Samplin
     for i, prompt in enumerate(ids):
         for j in range(req.n):
             # Distinct seeds per choice: n identical samples would be useless.
-            sp = params if params.seed is None else replace(params, seed=params.seed + j)
+            sp = params if params.seed is None else replace(params, seed=_nth_seed(params.seed, j))
             jobs.append(ctx.aengine.add_request(prompt, sp, lora, f"{base_id}-{i}-{j}"))
     results = await asyncio.gather(*jobs, return_exceptions=True)
     streams = [r for r in results if isinstance(r, RequestStream)]
