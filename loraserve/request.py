@@ -43,6 +43,7 @@ class Request:
         self.first_token_time: float | None = None
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
+        self.error_status: int | None = None  # 4xx: the adapter it named; 500: our bug
         self.num_preemptions = 0
         self.blocked_steps = 0  # steps spent waiting behind the adapter cap (starvation guard)
         self.text = ""  # detokenized output (maintained by the output processor)

@@ -8,7 +8,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 # Adapter names: letters, digits, '.', '_' and '-' only; ':' is reserved for 'base:adapter'.
-ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def is_valid_adapter_name(name: object) -> bool:
+    """The whole name matches (a trailing newline does not slip past '$'), and it is not made
+    of dots only ('.', '..' read as directories wherever a name meets a path)."""
+    return (isinstance(name, str) and ADAPTER_NAME_RE.fullmatch(name) is not None
+            and name.strip(".") != "")
 # Below this a temperature means greedy: dividing logits by it would overflow (vLLM's
 # _SAMPLING_EPS); a seed must fit torch.Generator.manual_seed.
 SAMPLING_EPS = 1e-5
@@ -70,6 +77,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_status: int | None = None  # with an error: 4xx the client's adapter, 500 a bug
     lora_name: str | None = None
     logprobs: list[float] | None = None  # chosen-token logprob per output token, if asked
     top_logprobs: list[dict[int, float]] | None = None

@@ -121,11 +121,15 @@ def test_names_conflicts_and_no_op_reload():
     assert store.register("a", "/p/a", None, pinned=True) is a and a.pinned
     with pytest.raises(AdapterConflictError):
         store.check_new("a", "/p/other", False)
-    for bad in ("x:y", "", "a/b", "n" * 65):
+    for bad in ("x:y", "", "a/b", "n" * 65, "good\n", "..", ".", "a\nb"):
         with pytest.raises(LoraServeError, match="invalid adapter name"):
             store.check_new(bad, "/p/x", False)
     with pytest.raises(AdapterNotFoundError):
         store.acquire("nope")
+    store.reserved_names = frozenset({"Base-Model"})
+    with pytest.raises(LoraServeError, match="base model's name"):
+        store.check_new("Base-Model", "/p/b", False)
+    assert store.check_new("a.b-c_1", "/p/x", False) is False  # dots inside are fine
 
 
 def test_unload_drains_then_frees_and_a_reload_gets_a_new_uid():

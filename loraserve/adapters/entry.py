@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 
 from loraserve.adapters.format import LoraAdapterWeights
@@ -29,6 +30,12 @@ class AdapterEntry:
     @property
     def tier(self) -> str:
         return "device" if self.slot is not None else "host" if self.weights else "disk"
+
+    def public_error(self, err: str) -> str:
+        """A load error as clients see it: it names the adapter, not the server's directories."""
+        for p in {self.path, os.path.realpath(self.path)}:
+            err = err.replace(f"adapter {p}: ", "").replace(p, f"<{self.name}>")
+        return err
 
     def snapshot(self) -> AdapterSnapshot:
         return AdapterSnapshot(

@@ -26,10 +26,10 @@ from loraserve.adapters.entry import AdapterEntry, AdapterSnapshot
 from loraserve.adapters.eviction import pick_victim
 from loraserve.adapters.format import LoraAdapterWeights
 from loraserve.types import (
-    ADAPTER_NAME_RE,
     AdapterConflictError,
     AdapterNotFoundError,
     LoraServeError,
+    is_valid_adapter_name,
 )
 
 log = logging.getLogger("loraserve.adapters")
@@ -45,12 +45,14 @@ class SlotPool(Protocol):
 
 class AdapterStore:
     def __init__(self, slot_pool: SlotPool, loader: DiskLoader, *, max_loras_per_batch: int,
-                 max_loaded_loras: int | None, max_loras_prefetch: int = 0):
+                 max_loaded_loras: int | None, max_loras_prefetch: int = 0,
+                 reserved_names: frozenset[str] = frozenset()):
         self.slots = slot_pool
         self.loader = loader
         self.max_loras_per_batch = max_loras_per_batch
         self.max_loaded = max_loaded_loras
         self.max_prefetch = max_loras_prefetch
+        self.reserved_names = reserved_names  # the base model's names: never an adapter's
         # how far down the waiting queue loads start: the adapters that can join soon
         self.lookahead = max_loras_per_batch + max_loras_prefetch
         self.names: dict[str, int] = {}  # registered names only
@@ -63,14 +65,17 @@ class AdapterStore:
     # --- registration -----------------------------------------------------------------------
     @staticmethod
     def check_name(name: str) -> None:
-        if not isinstance(name, str) or not ADAPTER_NAME_RE.match(name):
+        if not is_valid_adapter_name(name):
             raise LoraServeError(
-                f"invalid adapter name {name!r}: use 1-64 of [A-Za-z0-9._-] (':' is reserved "
-                "for 'base:adapter')")
+                f"invalid adapter name {name!r}: use 1-64 of [A-Za-z0-9._-], not only dots "
+                "(':' is reserved for 'base:adapter')")
 
     def check_new(self, name: str, path: str, pinned: bool) -> bool:
         """Validate a load before any I/O. Returns True if it is a no-op (same name and path)."""
         self.check_name(name)
+        if name in self.reserved_names:
+            raise LoraServeError(f"adapter name {name!r} is the base model's name: choose "
+                                 "another")
         uid = self.names.get(name)
         existing = self.entries[uid] if uid is not None else None
         if existing is not None and (
@@ -175,8 +180,8 @@ class AdapterStore:
                 err = (f"the files at {entry.path} changed on disk since it was loaded; "
                        "unload and load it again")
             if err is not None:
-                entry.last_error = err
-                failed[uid] = f"adapter {entry.name!r} failed to load: {err}"
+                entry.last_error = err  # the operator's view, paths included
+                failed[uid] = f"adapter {entry.name!r} failed to load: {entry.public_error(err)}"
                 log.warning("adapter %s failed to load: %s", entry.name, err)
                 continue
             entry.weights, entry.last_error = weights, None
@@ -294,3 +299,4 @@ class AdapterStore:
 
     def shutdown(self) -> None:
         self.loader.shutdown()
+

@@ -55,7 +55,8 @@ class LLMEngine:
         self.store = AdapterStore(self.slot_pool, DiskLoader(self.read_adapter),
                                   max_loras_per_batch=c.max_loras_per_batch,
                                   max_loaded_loras=c.max_loaded_loras,
-                                  max_loras_prefetch=c.max_loras_prefetch)
+                                  max_loras_prefetch=c.max_loras_prefetch,
+                                  reserved_names=frozenset({mc.name}))
         lora = create_lora_backend(self.slot_pool, c.lora_backend)
         attention = create_attention_backend("cpu", c.block_size, self.device)
         self.runner = ModelRunner(self.model, c, num_blocks, self.device, attention, lora)
@@ -109,7 +110,7 @@ class LLMEngine:
                 log.exception("request %s failed in the engine step", seq.request.request_id)
                 batch.drop(seq.request)
                 self.scheduler.finish(seq.request, FinishReason.ERROR,
-                                      "internal error while computing this request")
+                                      "internal error while computing this request", 500)
                 broken.append(seq.request)
         return StepOutput.concat(outputs), broken
 

@@ -65,6 +65,7 @@ def to_output(req: Request) -> RequestOutput:
         finished=req.is_finished,
         finish_reason=req.finish_reason,
         error=req.error,
+        error_status=req.error_status,
         lora_name=req.lora_name,
         logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
         top_logprobs=list(req.top_logprobs) if req.params.logprobs else None,

@@ -46,7 +46,8 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
+    def finish(self, req: Request, reason: FinishReason, error: str | None = None,
+               error_status: int | None = None) -> None:
         """End a request for any reason: out of the queues, its blocks back. Idempotent."""
         if req.is_finished:
             return
@@ -58,12 +59,14 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.error = error
+        req.error_status = error_status
 
     def fail_waiting(self, errors: Mapping[int, str]) -> list[Request]:
-        """End every waiting request of an adapter whose load failed (uid -> why)."""
+        """End every waiting request of an adapter whose load failed (uid -> why): the
+        adapter the client named cannot be served, a 400 for it, nobody else's business."""
         failed = [r for r in self.waiting if r.adapter_uid in errors]
         for r in failed:
-            self.finish(r, FinishReason.ERROR, errors[r.adapter_uid])
+            self.finish(r, FinishReason.ERROR, errors[r.adapter_uid], error_status=400)
         return failed
 
     def running_adapters(self) -> set[int]:

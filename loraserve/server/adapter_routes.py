@@ -1,9 +1,10 @@
 """Runtime adapter load/unload and the model list.
 
 Access (admin key or the loopback-only flag) is checked by AuthMiddleware before the body is
-read. Here: the name must match ADAPTER_NAME_RE, and with `--lora-root` the path must resolve
-(realpath: symlinks followed) inside that directory. The adapter is read and validated off the
-engine thread; only the commit runs between steps, so a bad adapter changes nothing.
+read. Here: the name must be a valid adapter name (not the base model's), and with
+`--lora-root` the path must resolve (realpath: symlinks followed) inside that directory. The
+adapter is read and validated off the engine thread; only the commit runs between steps, so a
+bad adapter changes nothing.
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ from loraserve.engine.messages import EngineSnapshot
 from loraserve.server import protocol as P
 from loraserve.server.context import ServerContext, parse_body
 from loraserve.server.errors import ApiError
-from loraserve.types import ADAPTER_NAME_RE
+from loraserve.types import is_valid_adapter_name
 
 log = logging.getLogger("loraserve.server")
 
 
-def check_name(name: str) -> None:
-    if not ADAPTER_NAME_RE.match(name):
+def check_name(ctx: ServerContext, name: str) -> None:
+    if name in ctx.base_names:
+        raise ApiError(400, f"adapter name {name!r} is the base model's name: choose another",
+                       "invalid_adapter_name")
+    if not is_valid_adapter_name(name):
         raise ApiError(400, f"invalid adapter name {name!r}: use 1-64 of [A-Za-z0-9._-] "
                             "(':' is reserved for 'base:adapter', '/' is not allowed)",
                        "invalid_adapter_name")
@@ -51,7 +55,7 @@ def resolve_path(path: str, root: str | None) -> str:
 
 async def load(ctx: ServerContext, request: Request) -> JSONResponse:
     body = await parse_body(request, P.LoadLoraRequest)
-    check_name(body.lora_name)
+    check_name(ctx, body.lora_name)
     path = resolve_path(body.lora_path, ctx.settings.lora_root)
     t0 = time.perf_counter()
     await ctx.aengine.load_lora_adapter(body.lora_name, path, pinned=body.pinned)

@@ -15,7 +15,7 @@ from loraserve.engine.async_engine import AsyncEngine
 from loraserve.server.errors import ApiError, validation_message
 from loraserve.server.metrics import ServerMetrics
 from loraserve.server.settings import ServerSettings
-from loraserve.types import ADAPTER_NAME_RE
+from loraserve.types import is_valid_adapter_name
 
 M = TypeVar("M", bound=BaseModel)
 MAX_JSON_DEPTH = 32  # OpenAI requests nest 5-6 levels (content parts, tool schemas)
@@ -49,7 +49,7 @@ class ServerContext:
             if base not in self.base_names:
                 raise self.model_not_found(model)
             name = adapter
-        if not ADAPTER_NAME_RE.match(name):
+        if not is_valid_adapter_name(name):
             raise self.model_not_found(model)
         return name
 

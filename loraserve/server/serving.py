@@ -141,8 +141,8 @@ async def _serve(ctx: ServerContext, request: Request, req, ids, params, lora, c
         return Response(status_code=499)  # the client is gone; nobody reads this
     for out in outs:
         if is_error(out):
-            return JSONResponse(error_body(500, out.error or "request failed", "engine_error"),
-                                status_code=500)
+            status, body = _error_of(out)
+            return JSONResponse(body, status_code=status)
     choices = [full_choice(i, out, lp, chat) for i, out in enumerate(outs)]
     completion = sum(len(o.token_ids) for o in outs)
     return JSONResponse(P.completion_response(rid, model, choices,
@@ -173,6 +173,14 @@ async def _collect(ctx: ServerContext, request: Request, streams, timers):
             task.add_done_callback(_retrieve)  # no "exception was never retrieved" noise
         for s in streams:
             s.abort()
+
+
+def _error_of(out) -> tuple[int, dict]:
+    """An ended-with-error output as (HTTP status, OpenAI error body): a 4xx when the adapter
+    the client named cannot be served, a 500 only for our own bugs."""
+    status = out.error_status or 500
+    code = "adapter_load_failed" if 400 <= status < 500 else "engine_error"
+    return status, error_body(status, out.error or "request failed", code)
 
 
 def _retrieve(fut: asyncio.Future) -> None:
@@ -215,7 +223,7 @@ async def _stream(streams, timers, lp, rid, model, chat, include_usage, prompt_t
         async for i, out in _merge(streams):
             timers[i].on_output(out)
             if is_error(out):
-                yield sse(error_body(500, out.error or "request failed", "engine_error"))
+                yield sse(_error_of(out)[1])
                 break
             choice = trackers[i].delta(out)
             if choice is not None:
