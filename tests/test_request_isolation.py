@@ -137,3 +137,20 @@ def test_hostile_requests_get_4xx_and_harm_no_one(server):
     for name in ("temperature 1e-40", "top_p 1e-46", "top_p 1e-300", "n=3 at the top seed"):
         assert bads[name].result().status_code == 200, name  # served, not refused
     server.wait_idle()
+
+
+def test_unimplemented_fields_are_refused_by_name_not_ignored(server):
+    model = server.get("/v1/models").json()["data"][0]["id"]
+    chat = {"model": model, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for field, value in [("tools", [tool]), ("response_format", {"type": "json_object"}),
+                         ("repetition_penalty", 1.2), ("min_tokens", 2), ("min_p", 0.1),
+                         ("tool_choice", "required"), ("guided_json", {"type": "object"})]:
+        r = server.post("/v1/chat/completions", {**chat, field: value})
+        assert r.status_code == 400 and field in r.json()["error"]["message"], (field, r.text)
+    # their no-op values, and nulls, change nothing and are served
+    for field, value in [("repetition_penalty", 1.0), ("min_tokens", 0), ("tools", []),
+                         ("response_format", {"type": "text"}), ("tools", None)]:
+        assert server.post("/v1/chat/completions", {**chat, field: value}).status_code == 200
+    r = server.post("/v1/completions", {"model": model, "prompt": "x", "min_tokens": 3})
+    assert r.status_code == 400 and "min_tokens" in r.text

@@ -1,7 +1,8 @@
 """OpenAI-compatible request and response schemas (plus vLLM/SGLang extras).
 
-Unknown fields are ignored, as the OpenAI clients send some we do not use. Fields we accept but
-cannot honour (penalties, logit_bias) are rejected when set, rather than silently ignored.
+Unknown fields are ignored, as the OpenAI clients send some we do not use. Fields that would
+change the answer and that we do not implement (tools, penalties, logit_bias, ...) are refused
+by name when set, never silently ignored.
 """
 
 from __future__ import annotations
@@ -32,6 +33,21 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+# Request fields of the OpenAI / vLLM / SGLang schemas that would change the answer and that
+# loraserve does not implement: refused by name unless set to their no-op value, never ignored.
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "response_format": ({"type": "text"},), "repetition_penalty": (1, 1.0),
+    "min_tokens": (0,), "min_p": (0, 0.0), "length_penalty": (1, 1.0),
+    "use_beam_search": (False,), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "json_schema": (), "regex": (), "ebnf": (), "bad_words": ([],),
+    "allowed_token_ids": (), "prompt_logprobs": (), "truncate_prompt_tokens": (),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "include_stop_str_in_output": (False,), "prediction": (), "audio": (),
+    "modalities": (["text"],), "reasoning_effort": (), "web_search_options": (),
+}
+
+
 class _SamplingFields(_Request):
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -49,6 +65,17 @@ class _SamplingFields(_Request):
     top_k: int = -1
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unimplemented_fields(cls, data):
+        if isinstance(data, dict):
+            bad = [k for k, noop in UNSUPPORTED_FIELDS.items()
+                   if data.get(k) is not None and data[k] not in noop]
+            if bad:
+                raise ValueError(f"{', '.join(bad)}: not supported by this server (refused "
+                                 "rather than ignored)")
+        return data
 
     @model_validator(mode="after")
     def _unsupported(self):
