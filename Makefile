@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# extra `loraserve serve` flags: make serve ARGS="--allow-runtime-lora-updates --port 8001"
 serve: $(STAMP)
-	$(BIN)/python -m loraserve.demo serve
+	$(BIN)/python -m loraserve.demo serve $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x

@@ -112,11 +112,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("loraserve")
+    except PackageNotFoundError:  # run from a source tree without installing
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from loraserve.bench.cli import add_bench_args, run_bench
     from loraserve.server.cli_args import add_server_args
 
     parser = argparse.ArgumentParser(prog="loraserve", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"loraserve {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate offline for one or more prompts")

@@ -1,0 +1,7 @@
+"""`python -m loraserve ...`: the same command line as `loraserve ...`."""
+
+import sys
+
+from loraserve.cli import main
+
+sys.exit(main())
