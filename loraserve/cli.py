@@ -17,14 +17,46 @@ from loraserve.config import EngineConfig
 _TYPES = {"int": int, "float": float, "str": str}
 
 
-def _lora_paths(items: list[str] | None) -> dict[str, str]:
+def usage_error(command: str, message: str) -> SystemExit:
+    """A mistake on the command line: one line on stderr, exit status 2 (argparse's)."""
+    print(f"loraserve {command}: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def _lora_paths(items: list[str] | None, command: str = "serve") -> dict[str, str]:
     out = {}
     for item in items or []:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
-            raise SystemExit(f"--lora-paths expects NAME=PATH, got {item!r}")
+            raise usage_error(command, f"--lora-paths expects NAME=PATH, got {item!r}")
         out[name] = path
     return out
+
+
+def _precheck_serve(args: argparse.Namespace, adapters: dict[str, str]) -> None:
+    """What can be checked in a second, before the model takes its time to load: the port is
+    free and every --lora-paths entry has a valid name and a readable adapter config."""
+    import socket
+
+    from loraserve.adapters.format import read_adapter_config
+    from loraserve.types import LoraServeError, is_valid_adapter_name
+
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((args.host, args.port))
+        except OSError as e:
+            raise usage_error("serve", f"cannot listen on {args.host}:{args.port}: "
+                                       f"{e.strerror}") from e
+    for name, path in adapters.items():
+        if not is_valid_adapter_name(name):
+            raise usage_error("serve", f"--lora-paths: invalid adapter name {name!r} (use "
+                                       "1-64 of [A-Za-z0-9._-])")
+        try:
+            read_adapter_config(path)
+        except LoraServeError as e:
+            raise usage_error("serve", f"--lora-paths {name}={path}: {e}") from e
 
 
 def add_engine_args(p: argparse.ArgumentParser, exclude: frozenset[str] = frozenset()) -> None:
@@ -54,20 +86,24 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     try:
         return EngineConfig(**values)
     except ValueError as e:
-        raise SystemExit(f"loraserve {args.command}: {e}") from e
+        raise usage_error(args.command, str(e)) from e
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from loraserve import LLM, SamplingParams
+    from loraserve.types import LoraServeError
 
     config = engine_config_from_args(args)
-    llm = LLM(args.model, lora_paths=_lora_paths(args.lora_paths),
-              **dataclasses.asdict(config))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            ignore_eos=args.ignore_eos, stop=tuple(args.stop or ()))
+    adapters = _lora_paths(args.lora_paths, "generate")
     prompts = [[{"role": "user", "content": p}] if args.chat else p for p in args.prompt]
-    outs = llm.generate(prompts, params, lora=args.lora)
+    try:  # a missing model, a bad adapter, an unknown --lora: one line, not a traceback
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                ignore_eos=args.ignore_eos, stop=tuple(args.stop or ()))
+        llm = LLM(args.model, lora_paths=adapters, **dataclasses.asdict(config))
+        outs = llm.generate(prompts, params, lora=args.lora)
+    except (LoraServeError, OSError, ValueError) as e:
+        raise usage_error("generate", str(e).strip("'\"")) from e
     for prompt, out in zip(args.prompt, outs, strict=True):
         if args.json:
             print(json.dumps({"prompt": prompt, "lora": args.lora, "text": out.text,
@@ -87,8 +123,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)  # refuses unsafe flag combinations
     except ValueError as e:
-        raise SystemExit(f"loraserve serve: {e}") from e
+        raise usage_error("serve", str(e)) from e
     config = engine_config_from_args(args)
+    adapters = _lora_paths(args.lora_paths)
+    _precheck_serve(args, adapters)
 
     import uvicorn
 
@@ -97,12 +135,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from loraserve.server.app import create_app
     from loraserve.types import LoraServeError
 
-    engine = LLMEngine(args.model, config)
-    for name, path in _lora_paths(args.lora_paths).items():
+    try:
+        engine = LLMEngine(args.model, config)
+    except (OSError, ValueError) as e:  # no such model, not a checkpoint, unsupported
+        raise usage_error("serve", str(e)) from e
+    for name, path in adapters.items():
         try:
             engine.load_lora_adapter(name, path)
         except LoraServeError as e:  # a bad adapter at startup stops the server, clearly
-            raise SystemExit(f"loraserve serve: --lora-paths {name}={path}: {e}") from e
+            raise usage_error("serve", f"--lora-paths {name}={path}: {e}") from e
     log.info("model %s from %s; %d adapters; LoRA backend %s; runtime adapter updates %s",
              engine.info.model_name, engine.info.model_path, engine.store.num_registered,
              engine.info.lora_backend, "on" if settings.runtime_lora_updates else "off")

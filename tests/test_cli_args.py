@@ -47,10 +47,13 @@ def test_bad_values_are_refused_clearly(capsys):
     with pytest.raises(SystemExit):
         parse("--lora-backend", "nope")
     assert "invalid choice: 'nope'" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="max_loras_per_batch must be >= 1"):
-        engine_config_from_args(parse("--max-loras-per-batch", "0"))
-    with pytest.raises(SystemExit, match="kv_cache_tokens must hold at least one block"):
-        engine_config_from_args(parse("--kv-cache-tokens", "8", "--block-size", "16"))
+    for argv, message in [(("--max-loras-per-batch", "0"), "max_loras_per_batch must be >= 1"),
+                          (("--kv-cache-tokens", "8", "--block-size", "16"),
+                           "kv_cache_tokens must hold at least one block")]:
+        with pytest.raises(SystemExit) as exit_info:
+            engine_config_from_args(parse(*argv))
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.strip() == f"loraserve serve: {message}"
 
 
 def test_backend_names_match_the_registry():
@@ -67,3 +70,46 @@ def imports_of(path: Path) -> set[str]:
 def test_cli_and_server_flags_do_not_import_each_other():
     assert "loraserve.cli" not in imports_of(ROOT / "server" / "cli_args.py")
     assert not any(m.startswith("loraserve.server") for m in imports_of(ROOT / "config.py"))
+
+
+def run_cli(*argv: str, timeout: float = 60):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent)}
+    return subprocess.run([sys.executable, "-m", "loraserve", *argv], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=ROOT.parent)
+
+
+def test_version_and_module_entry_point():
+    r = run_cli("--version")
+    assert r.returncode == 0 and r.stdout.startswith("loraserve ")
+
+
+def test_serve_fails_fast_with_one_line(tiny_model_dir, tmp_path):
+    import socket
+    import time
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        t0 = time.monotonic()
+        r = run_cli("serve", "--model", str(tiny_model_dir), "--port", port)
+        assert time.monotonic() - t0 < 10  # the model was never loaded
+    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    for item, fragment in [(f"x={tmp_path / 'missing'}", "does not exist"),
+                           ("good\n=/tmp", "invalid adapter name"), ("noequals", "NAME=PATH")]:
+        r = run_cli("serve", "--model", str(tmp_path / "no-model"), "--port", "0",
+                    "--lora-paths", item)
+        assert r.returncode == 2 and fragment in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_generate_mistakes_are_one_line(tiny_model_dir, tmp_path):
+    for argv, fragment in [(["--model", str(tmp_path / "none")], "does not exist"),
+                           (["--model", str(tiny_model_dir), "--lora", "nope"], "'nope'")]:
+        r = run_cli("generate", "--prompt", "hi", "--max-tokens", "1", *argv, timeout=120)
+        assert r.returncode == 2 and fragment in r.stderr and "Traceback" not in r.stderr
