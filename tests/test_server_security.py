@@ -41,7 +41,10 @@ def test_health_is_open_and_everything_else_needs_the_key(server):
     for path in ("/v1/models", "/metrics", "/debug/state"):
         assert_error(httpx.get(server.url + path), 401, "API key")
         assert_error(server.get(path, key="wrong"), 401)
+        assert server.get(path, key=ADMIN).status_code == 200
+    for path in ("/v1/models", "/metrics"):
         assert server.get(path).status_code == 200
+    assert_error(server.get("/debug/state"), 403, "operator")  # not for ordinary clients
     for path in ("/v1/completions", "/v1/chat/completions"):
         assert_error(httpx.post(server.url + path, json=body), 401)
         r = httpx.post(server.url + path, json=body, headers={"Authorization": f"Basic {KEY}"})
@@ -80,3 +83,16 @@ def test_runtime_updates_without_key_refused_on_public_host(files):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode != 0
     assert "loopback" in r.stderr, r.stderr
+
+
+def test_server_paths_are_the_operators(server, files):
+    def roots(key):
+        return {c["id"]: c["root"] for c in server.get("/v1/models", key=key).json()["data"]}
+
+    r = server.post("/v1/load_lora_adapter", {"lora_name": "a1", "lora_path": str(files["a1"])},
+                    key=ADMIN)
+    assert r.status_code == 200, r.text
+    assert roots(KEY) == {"model": "model", "a1": "a1"}  # names, never server directories
+    admin = roots(ADMIN)
+    assert admin["a1"] == str(files["a1"].resolve())
+    assert admin["model"] == str(files["model"].resolve())

@@ -73,17 +73,21 @@ async def unload(ctx: ServerContext, request: Request) -> JSONResponse:
 
 async def _listing(ctx: ServerContext, message: str) -> JSONResponse:
     snap = await ctx.aengine.snapshot()
-    cards = [c for c in model_cards(ctx, snap) if c["parent"] is not None]
+    cards = [c for c in model_cards(ctx, snap, operator=True) if c["parent"] is not None]
     return JSONResponse({"success": True, "message": message,
                          "loaded_adapters": {c["id"]: c["root"] for c in cards},
                          "object": "list", "data": cards})
 
 
-def model_cards(ctx: ServerContext, snap: EngineSnapshot) -> list[dict]:
+def model_cards(ctx: ServerContext, snap: EngineSnapshot, operator: bool) -> list[dict]:
+    """The model list. `root` is where the weights live for the operator, and the model's or
+    adapter's own name for everyone else (server paths are the operator's business)."""
     base = ctx.model_name
-    cards = [P.model_card(base, root=ctx.model_path, parent=None, tier="device", pinned=True)]
+    root = ctx.model_path if operator else base
+    cards = [P.model_card(base, root=root, parent=None, tier="device", pinned=True)]
     for a in snap.adapters:
         if a.registered:
-            cards.append(P.model_card(a.name, root=a.path, parent=base, tier=a.tier,
+            cards.append(P.model_card(a.name, root=a.path if operator else a.name, parent=base,
+                                      tier=a.tier,
                                       pinned=a.pinned, rank=a.rank, in_flight=a.refcount))
     return cards

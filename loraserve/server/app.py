@@ -55,9 +55,10 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
         return await serving.chat_completions(ctx, request)
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
         snap = await async_engine.snapshot()
-        return JSONResponse({"object": "list", "data": adapter_routes.model_cards(ctx, snap)})
+        cards = adapter_routes.model_cards(ctx, snap, request.state.operator)
+        return JSONResponse({"object": "list", "data": cards})
 
     for prefix in ("/v1", ""):
         app.add_api_route(f"{prefix}/load_lora_adapter", _bind(adapter_routes.load, ctx),

@@ -4,6 +4,9 @@
   too). Keys are compared with `hmac.compare_digest` (constant time, CVE-2025-59425).
 - Adapter load/unload routes are off (403) unless `--admin-api-key` (then they need THAT key)
   or `--allow-runtime-lora-updates` (loopback hosts only; checked in ServerSettings).
+- What is the operator's (/debug/state, the server's file paths in /v1/models) is shown to the
+  operator only: a request bearing the admin key, or, with no admin key set, any request to a
+  server bound to a loopback host (its clients are on the operator's machine).
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ import hmac
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from loraserve.server.errors import error_bytes
-from loraserve.server.settings import ServerSettings
+from loraserve.server.settings import ServerSettings, is_loopback
 
 OPEN_PATHS = frozenset({"/health"})
+OPERATOR_PATHS = frozenset({"/debug/state"})
 ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter",
                          "/load_lora_adapter", "/unload_lora_adapter"})
 
@@ -34,6 +38,12 @@ def key_matches(token: str | None, key: str | None) -> bool:
     return hmac.compare_digest(token.encode(), key.encode())
 
 
+def is_operator(token: str | None, s: ServerSettings) -> bool:
+    if s.admin_api_key:
+        return key_matches(token, s.admin_api_key)
+    return is_loopback(s.host)
+
+
 def check_access(path: str, token: str | None, s: ServerSettings) -> tuple[int, str] | None:
     """None if allowed, else (status, message)."""
     if path in OPEN_PATHS:
@@ -49,6 +59,8 @@ def check_access(path: str, token: str | None, s: ServerSettings) -> tuple[int, 
             return 401, "this route needs the admin API key (Authorization: Bearer ADMIN_KEY)"
     if s.api_key and not (key_matches(token, s.api_key) or key_matches(token, s.admin_api_key)):
         return 401, "invalid or missing API key (send Authorization: Bearer KEY)"
+    if path in OPERATOR_PATHS and not is_operator(token, s):
+        return 403, "this route is for the server's operator (send the admin API key)"
     return None
 
 
@@ -60,9 +72,10 @@ class AuthMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        denied = check_access(scope["path"].rstrip("/") or "/", bearer_token(scope),
-                              self.settings)
+        token = bearer_token(scope)
+        denied = check_access(scope["path"].rstrip("/") or "/", token, self.settings)
         if denied is None:
+            scope.setdefault("state", {})["operator"] = is_operator(token, self.settings)
             return await self.app(scope, receive, send)
         status, message = denied
         code = "invalid_api_key" if status == 401 else "forbidden"
