@@ -24,6 +24,7 @@ class Request:
         adapter_uid: int | None = None,
         lora_name: str | None = None,
         generator: Any = None,
+        origin: str | None = None,
     ):
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
@@ -33,6 +34,7 @@ class Request:
         self.adapter_uid = adapter_uid  # resolved once at admission; None = base model
         self.lora_name = lora_name  # for outputs and logs only, never for lookups
         self.generator = generator  # its own RNG (a torch.Generator) when a seed was given
+        self.origin = origin  # the client request it came from (its n x prompts share one)
         self.output_token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []

@@ -117,3 +117,17 @@ def test_starvation_bound_stops_newer_admissions():
     # refused twice, newer requests went ahead; from the third refusal on, none does
     assert admitted == ["same0", "same1"]
     assert starved.blocked_steps >= 3 and starved in s.waiting
+
+
+def test_fan_out_of_one_origin_does_not_queue_others_behind_all_of_it():
+    s, _ = make(cap=4)
+    big = [Request(f"A{i}", [4, 5, 6], SamplingParams(max_tokens=4), origin="A")
+           for i in range(6)]
+    for r in big:
+        s.add(r)
+    s.add(Request("B0", [4, 5], SamplingParams(max_tokens=4), origin="B"))
+    s.add(Request("B1", [4, 5], SamplingParams(max_tokens=4), origin="B"))
+    s.add(Request("C0", [4, 5], SamplingParams(max_tokens=4), origin="C"))
+    s.add(Request("offline", [4, 5], SamplingParams(max_tokens=4)))  # no origin: at the end
+    order = [r.request_id for r in s.waiting]
+    assert order == ["A0", "B0", "C0", "A1", "B1", "A2", "A3", "A4", "A5", "offline"]

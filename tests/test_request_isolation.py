@@ -154,3 +154,30 @@ def test_unimplemented_fields_are_refused_by_name_not_ignored(server):
         assert server.post("/v1/chat/completions", {**chat, field: value}).status_code == 200
     r = server.post("/v1/completions", {"model": model, "prompt": "x", "min_tokens": 3})
     assert r.status_code == 400 and "min_tokens" in r.text
+
+
+def test_a_small_request_is_not_queued_behind_a_huge_fan_out(server):
+    """One client asks for 64 prompts x n=16 = 1024 sequences; another client's small request
+    sent while they wait is served after at most one of them has finished, not after all:
+    admission interleaves client requests (the bound: one sequence of the big request)."""
+    import threading
+    import time
+
+    model = server.get("/v1/models").json()["data"][0]["id"]
+    huge = {"model": model, "prompt": [[5 + i, 6, 7] for i in range(64)], "n": 16,
+            "max_tokens": 16, "temperature": 0.5, "ignore_eos": True}
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=server.post("/v1/completions", huge)))
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while server.state()["waiting"] < 500:
+            assert time.monotonic() < deadline, "the big request never queued"
+        small = server.post("/v1/completions", {"model": model, "prompt": [9, 9],
+                                                "max_tokens": 4, "ignore_eos": True})
+        assert small.status_code == 200
+        state = server.state()
+        assert state["waiting"] + state["running"] > 500, "the small request waited for all"
+    finally:
+        t.join(120)
+    assert result["r"].status_code == 200 and len(result["r"].json()["choices"]) == 1024

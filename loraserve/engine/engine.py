@@ -150,7 +150,8 @@ class LLMEngine:
         return ids
 
     def add_request(self, prompt: M.Prompt, params: SamplingParams,
-                    lora_name: str | None = None, request_id: str | None = None) -> Request:
+                    lora_name: str | None = None, request_id: str | None = None,
+                    origin: str | None = None) -> Request:
         ids = self.tokenize(prompt)
         if not ids:
             raise RequestTooLargeError("the prompt is empty")
@@ -171,7 +172,7 @@ class LLMEngine:
         # Name -> uid once, here; acquires the refcount (404 for a name never loaded).
         uid = None if lora_name is None else self.store.acquire(lora_name)
         req = Request(request_id, ids, params, adapter_uid=uid, lora_name=lora_name,
-                      generator=gen)
+                      generator=gen, origin=origin)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -212,7 +213,8 @@ class LLMEngine:
         """Apply one command between steps; its reply (or the exception it raised)."""
         match cmd:
             case M.AddRequest():
-                return self.add_request(cmd.prompt, cmd.params, cmd.lora_name, cmd.request_id)
+                return self.add_request(cmd.prompt, cmd.params, cmd.lora_name, cmd.request_id,
+                                        cmd.origin)
             case M.AbortRequest():
                 return self.abort(cmd.request_id)
             case M.CheckAdapterLoad():

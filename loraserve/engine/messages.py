@@ -21,6 +21,7 @@ class AddRequest:
     prompt: Prompt
     params: SamplingParams
     lora_name: str | None = None
+    origin: str | None = None  # sequences of one client request share it (fair admission)
 
 
 @dataclass(frozen=True)

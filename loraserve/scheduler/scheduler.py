@@ -44,6 +44,20 @@ class Scheduler:
 
     # --- queue management -------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        """Queue a request, fairly across origins: the k-th waiting request of a client
+        request goes behind every other origin's k-th, so one client's fan-out (n x prompts)
+        cannot hold everyone else's requests behind all of its own. Requests without an
+        origin (the offline API) are first come, first served."""
+        if req.origin is None:
+            self.waiting.append(req)
+            return
+        mine = sum(1 for r in self.waiting if r.origin == req.origin)
+        seen: dict[str | None, int] = {}
+        for i, r in enumerate(self.waiting):
+            rank = seen[r.origin] = seen.get(r.origin, -1) + 1
+            if r.origin is not None and r.origin != req.origin and rank > mine:
+                self.waiting.insert(i, req)
+                return
         self.waiting.append(req)
 
     def finish(self, req: Request, reason: FinishReason, error: str | None = None,

@@ -112,7 +112,8 @@ async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: Samplin
         for j in range(req.n):
             # Distinct seeds per choice: n identical samples would be useless.
             sp = params if params.seed is None else replace(params, seed=_nth_seed(params.seed, j))
-            jobs.append(ctx.aengine.add_request(prompt, sp, lora, f"{base_id}-{i}-{j}"))
+            jobs.append(ctx.aengine.add_request(prompt, sp, lora, f"{base_id}-{i}-{j}",
+                                                origin=base_id))
     results = await asyncio.gather(*jobs, return_exceptions=True)
     streams = [r for r in results if isinstance(r, RequestStream)]
     errors = [r for r in results if not isinstance(r, RequestStream)]
