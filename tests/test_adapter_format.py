@@ -89,7 +89,8 @@ def test_roundtrip_all_modules(base_dir, mc, tmp_path):
     assert (ad.rank, ad.target_modules, len(ad.layers)) == (8, frozenset(ALL), 2)
     assert all(w.scale == 2.0 for layer in ad.layers for w in layer.values())
     raw = (tmp_path / "adapter_model.safetensors").read_bytes()
-    assert ad.fingerprint == hashlib.sha256(raw).hexdigest()
+    config = hashlib.sha256((tmp_path / "adapter_config.json").read_bytes()).digest()
+    assert ad.fingerprint == hashlib.sha256(config + raw).hexdigest()  # identity: both files
     assert ad.nbytes == sum(w.A.nbytes + w.B.nbytes for la in ad.layers for w in la.values())
     assert ad.path == str(tmp_path)
 
@@ -388,3 +389,4 @@ def test_refuse_unsupported_variant_flags(bad, mc):
 def test_config_file_is_json_object(bad, mc):
     (bad / "adapter_config.json").write_text(json.dumps([1, 2]))
     refuse(bad, mc, "JSON object")
+

@@ -96,3 +96,16 @@ def test_server_paths_are_the_operators(server, files):
     admin = roots(ADMIN)
     assert admin["a1"] == str(files["a1"].resolve())
     assert admin["model"] == str(files["model"].resolve())
+
+
+def test_lora_root_confines_every_file_not_only_the_folder(server, files):
+    # a real folder inside the root whose two files are symlinks to an adapter outside it
+    outside = make_peft_adapter(files["model"], files["root"] / "elsewhere" / "b", r=4, seed=6)
+    trick = files["root"] / "loras" / "trick"
+    trick.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (trick / name).symlink_to(outside / name)
+    r = server.post("/v1/load_lora_adapter", {"lora_name": "trick", "lora_path": str(trick)},
+                    key=ADMIN)
+    assert_error(r, 400, "outside the allowed directory")
+    assert "trick" not in [c["id"] for c in server.get("/v1/models").json()["data"]]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from loraserve.adapters.peft.files import check_inside, check_safetensors, max_weights_bytes
 from loraserve.config import ATTN_MODULES, LORA_MODULES, ModelConfig
 from loraserve.types import AdapterFormatError
 
@@ -55,7 +56,7 @@ class LoraAdapterWeights:
     target_modules: frozenset[str]  # subset of LORA_MODULES actually present
     layers: tuple[dict[str, LoraModuleWeights], ...]  # one dict per layer; may lack modules
     nbytes: int
-    fingerprint: str  # sha256 hex of the weights file bytes
+    fingerprint: str  # sha256 over the config and the weights file bytes
 
 
 def _fail(path: object, problem: str) -> AdapterFormatError:
@@ -84,13 +85,14 @@ def read_adapter_config(
 ) -> dict:
     """Parse and validate adapter_config.json; with `model_config`, also check that its targets
     exist in the model (and, with `max_lora_rank`, that every targeted rank fits)."""
-    cfg = _read_config(path)
+    cfg, _ = _read_config(path)
     if model_config is not None:
         _resolve_targets(cfg, model_config, path, max_lora_rank)
     return cfg
 
 
-def _read_config(path: str | os.PathLike) -> dict:
+def _read_config(path: str | os.PathLike, root: str | None = None) -> tuple[dict, bytes]:
+    """The parsed config and its bytes (read once: the fingerprint covers what was parsed)."""
     p = Path(path)
     if not p.exists():
         raise _fail(path, "path does not exist")
@@ -99,14 +101,16 @@ def _read_config(path: str | os.PathLike) -> dict:
     cfg_file = p / CONFIG_FILE
     if not cfg_file.is_file():
         raise _fail(path, f"missing {CONFIG_FILE}")
+    check_inside(cfg_file, root, path)
+    raw = cfg_file.read_bytes()
     try:
-        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+        cfg = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise _fail(path, f"invalid JSON in {CONFIG_FILE}: {e}") from None
     if not isinstance(cfg, dict):
         raise _fail(path, f"{CONFIG_FILE} must hold a JSON object")
     _validate_config(cfg, path)
-    return cfg
+    return cfg, raw
 
 
 def _validate_config(cfg: dict, path: object) -> None:
@@ -259,10 +263,13 @@ def _resolve_targets(
     return plan
 
 
-def _load_tensors(p: Path, path: object, allow_pickle: bool) -> tuple[dict, str]:
-    """The weights file's tensors and the sha256 of its bytes (read once, so both agree)."""
+def _load_tensors(p: Path, path: object, allow_pickle: bool, root: str | None,
+                  max_bytes: int) -> tuple[dict, bytes]:
+    """The weights file's tensors and its bytes (read once, so both agree)."""
     st, pkl = p / SAFETENSORS_FILE, p / PICKLE_FILE
     if st.is_file():
+        check_inside(st, root, path)
+        check_safetensors(st, path, max_bytes)
         data = st.read_bytes()
         try:
             from safetensors.torch import load
@@ -274,6 +281,9 @@ def _load_tensors(p: Path, path: object, allow_pickle: bool) -> tuple[dict, str]
         if not allow_pickle:
             raise _fail(path, f"only a pickle {PICKLE_FILE} found; pickle files can run code, "
                               f"convert it to {SAFETENSORS_FILE} or allow pickle adapters")
+        check_inside(pkl, root, path)
+        if pkl.stat().st_size > max_bytes:
+            raise _fail(path, f"{PICKLE_FILE} is larger than an adapter of this model can be")
         data = pkl.read_bytes()
         try:
             tensors = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -285,7 +295,7 @@ def _load_tensors(p: Path, path: object, allow_pickle: bool) -> tuple[dict, str]
             raise _fail(path, f"{PICKLE_FILE} is not a flat dict of tensors")
     else:
         raise _fail(path, f"missing weights: neither {SAFETENSORS_FILE} nor {PICKLE_FILE}")
-    return tensors, hashlib.sha256(data).hexdigest()
+    return tensors, data
 
 
 def _parse_key(key: str, path: object) -> tuple[int, str, str]:
@@ -309,11 +319,16 @@ def _parse_key(key: str, path: object) -> tuple[int, str, str]:
 
 def read_adapter(
     path: str | os.PathLike, model_config: ModelConfig, *, max_lora_rank: int,
-    allow_pickle: bool = False,
+    allow_pickle: bool = False, root: str | None = None,
 ) -> LoraAdapterWeights:
-    """Read and fully validate a PEFT LoRA adapter directory into float32 host tensors."""
-    plan = _resolve_targets(_read_config(path), model_config, path, max_lora_rank)
-    tensors, fingerprint = _load_tensors(Path(path), path, allow_pickle)
+    """Read and fully validate a PEFT LoRA adapter directory into float32 host tensors.
+    `root`: every file read must resolve inside it. The fingerprint covers the config and the
+    weights: either changing makes another adapter."""
+    cfg, raw_cfg = _read_config(path, root)
+    plan = _resolve_targets(cfg, model_config, path, max_lora_rank)
+    tensors, data = _load_tensors(Path(path), path, allow_pickle, root,
+                                  max_weights_bytes(model_config, max_lora_rank))
+    fingerprint = hashlib.sha256(hashlib.sha256(raw_cfg).digest() + data).hexdigest()
     n_layers = model_config.num_hidden_layers
     pairs: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
     for key, t in tensors.items():

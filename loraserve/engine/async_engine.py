@@ -141,9 +141,10 @@ class AsyncEngine:
     async def snapshot(self) -> M.EngineSnapshot:
         return await self._ask(M.GetSnapshot())
 
-    async def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> None:
+    async def load_lora_adapter(self, name: str, path: str, pinned: bool = False,
+                                root: str | None = None) -> None:
         """Validate off the engine thread, then commit between steps; a failure changes
-        nothing."""
+        nothing. `root`: every file read must resolve inside it (--lora-root)."""
         same = await self._ask(M.CheckAdapterLoad(name, path, pinned))
         weights = None
         if not same:  # read + validate on an executor thread: decoding never stalls
@@ -151,7 +152,8 @@ class AsyncEngine:
             weights = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: read_adapter(path, info.model_config,
                                            max_lora_rank=info.max_lora_rank,
-                                           allow_pickle=info.allow_pickle_adapters))
+                                           allow_pickle=info.allow_pickle_adapters,
+                                           root=root))
         await self._ask(M.LoadAdapter(name, path, pinned, weights))
 
     async def unload_lora_adapter(self, name: str) -> None:

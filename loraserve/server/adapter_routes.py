@@ -58,7 +58,8 @@ async def load(ctx: ServerContext, request: Request) -> JSONResponse:
     check_name(ctx, body.lora_name)
     path = resolve_path(body.lora_path, ctx.settings.lora_root)
     t0 = time.perf_counter()
-    await ctx.aengine.load_lora_adapter(body.lora_name, path, pinned=body.pinned)
+    await ctx.aengine.load_lora_adapter(body.lora_name, path, pinned=body.pinned,
+                                        root=ctx.settings.lora_root)
     ctx.metrics.observe_load(body.lora_name, time.perf_counter() - t0)
     log.info("adapter %s registered via the API from %s (pinned=%s)", body.lora_name, path,
              body.pinned)
