@@ -105,6 +105,15 @@ class AdapterConflictError(LoraServeError):
     code = "adapter_conflict"
 
 
+class AdapterBusyError(LoraServeError):
+    """A passing condition, not the client's mistake: host memory is full of adapters in use
+    or pinned. Retry after a moment (503 + Retry-After)."""
+
+    status = 503
+    code = "adapters_busy"
+    retry_after_s = 1
+
+
 class AdapterFormatError(LoraServeError):
     """The adapter on disk is missing, corrupt, unsupported or does not fit the base model."""
 

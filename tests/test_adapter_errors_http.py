@@ -62,3 +62,30 @@ def test_lookalike_and_base_model_names_are_refused(setup):
         assert_error(r, 400, "adapter name")
     ids = [c["id"] for c in server.get("/v1/models").json()["data"]]
     assert len(ids) == len(set(ids))
+
+
+def test_load_that_must_wait_is_a_503_with_retry_after(setup, tiny_model_dir):
+    import threading
+    import time
+
+    server, root, good, _ = setup
+    other = make_peft_adapter(tiny_model_dir, root / "other", r=4, seed=9)
+    long = {"model": "good", "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True}
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (server.post("/v1/completions", long), done.set()))
+    t.start()
+    try:
+        server.wait_busy()  # 'good' is in use and host memory holds one adapter
+        r = server.post("/v1/load_lora_adapter", {"lora_name": "other", "lora_path": str(other)})
+        assert not done.is_set(), "the long request ended before the load was tried"
+        assert_error(r, 503, "retry shortly")
+        assert r.headers["retry-after"] == "1"
+    finally:
+        t.join(120)
+    deadline = time.monotonic() + 30
+    while True:  # once it is released, the same load succeeds
+        r = server.post("/v1/load_lora_adapter", {"lora_name": "other", "lora_path": str(other)})
+        if r.status_code != 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert r.status_code == 200, r.text

@@ -12,7 +12,12 @@ import pytest
 from loraserve.adapters.disk_loader import LoadResult
 from loraserve.adapters.format import LoraAdapterWeights
 from loraserve.adapters.store import AdapterStore
-from loraserve.types import AdapterConflictError, AdapterNotFoundError, LoraServeError
+from loraserve.types import (
+    AdapterBusyError,
+    AdapterConflictError,
+    AdapterNotFoundError,
+    LoraServeError,
+)
 
 
 def weights(fp: str, rank: int = 8) -> LoraAdapterWeights:
@@ -98,7 +103,7 @@ def test_host_eviction_order():
     reg(store, "c")
     assert (a.tier, b.tier) == ("device", "disk") and b.stats.host_evictions == 1
     assert "b" in store.names  # evicted, still registered
-    with pytest.raises(LoraServeError, match="all pinned or in use"):
+    with pytest.raises(AdapterBusyError, match="all pinned or in use"):
         reg(store, "d", in_use={a.uid, store.names["c"]})
     assert "d" not in store.names
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from loraserve.adapters.peft.files import check_inside, check_safetensors, max_weights_bytes
+from loraserve.adapters.peft.regex_guard import unsafe_reason
 from loraserve.config import ATTN_MODULES, LORA_MODULES, ModelConfig
 from loraserve.types import AdapterFormatError
 
@@ -162,10 +163,8 @@ def _check_patterns(value, field: str, path: object, list_ok=True, none_ok=False
     if not all(isinstance(v, str) for v in items) or (not items and not none_ok):
         raise _fail(path, f"{field} must be a regex string or a list of strings, got {value!r}")
     for v in items:
-        try:
-            re.compile(v)
-        except re.error as e:
-            raise _fail(path, f"{field} has an invalid regex {v!r}: {e}") from None
+        if (why := unsafe_reason(v)) is not None:
+            raise _fail(path, f"{field} regex {v[:80]!r} is refused: {why}")
 
 
 def _model_module_names(mc: ModelConfig) -> list[str]:

@@ -26,6 +26,7 @@ from loraserve.adapters.entry import AdapterEntry, AdapterSnapshot
 from loraserve.adapters.eviction import pick_victim
 from loraserve.adapters.format import LoraAdapterWeights
 from loraserve.types import (
+    AdapterBusyError,
     AdapterConflictError,
     AdapterNotFoundError,
     LoraServeError,
@@ -102,9 +103,9 @@ class AdapterStore:
         if weights is None:
             raise ValueError("a new adapter needs its weights")
         if not self._make_host_room(protected=in_use):
-            raise LoraServeError(
-                f"cannot load {name!r}: host memory holds max_loaded_loras={self.max_loaded} "
-                "adapters that are all pinned or in use")
+            raise AdapterBusyError(
+                f"cannot load {name!r} now: host memory holds max_loaded_loras="
+                f"{self.max_loaded} adapters that are all pinned or in use; retry shortly")
         entry = AdapterEntry(uid=next(self._uids), name=name, path=str(path),
                              fingerprint=weights.fingerprint, pinned=pinned, weights=weights,
                              last_used=next(self._tick))

@@ -58,7 +58,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(LoraServeError)
     async def _engine(_: Request, e: LoraServeError):
-        return error_response(e.status, str(e), e.code)
+        response = error_response(e.status, str(e), e.code)
+        retry = getattr(e, "retry_after_s", None)
+        if retry is not None:
+            response.headers["retry-after"] = str(retry)
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError):
