@@ -133,6 +133,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from loraserve.engine.async_engine import AsyncEngine
     from loraserve.engine.engine import LLMEngine
     from loraserve.server.app import create_app
+    from loraserve.server.shutdown import GracefulServer
     from loraserve.types import LoraServeError
 
     try:
@@ -148,8 +149,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
              engine.info.model_name, engine.info.model_path, engine.store.num_registered,
              engine.info.lora_backend, "on" if settings.runtime_lora_updates else "off")
     app = create_app(AsyncEngine(engine), settings)
-    uvicorn.run(app, host=args.host, port=args.port, http="h11", log_level=args.log_level,
-                h11_max_incomplete_event_size=H11_MAX_EVENT_BYTES, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=args.host, port=args.port, http="h11",
+                            log_level=args.log_level,
+                            h11_max_incomplete_event_size=H11_MAX_EVENT_BYTES)
+    GracefulServer(config, app.state.ctx, args.shutdown_timeout).run()
     return 0
 
 

@@ -131,6 +131,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._cmds.put(_Envelope(M.AbortRequest(request_id)))
 
+    def abort_all(self, message: str, error_status: int = 503) -> None:
+        """End every request in flight with an error (thread-safe, returns at once)."""
+        self._cmds.put(_Envelope(M.AbortAll(message, error_status)))
+
     # --- commands answered between steps ----------------------------------------------------
     async def _ask(self, cmd: M.EngineCommand) -> Any:
         loop = asyncio.get_running_loop()
@@ -179,7 +183,7 @@ class AsyncEngine:
                 # instead of spinning.
                 if not self._drain(block=True, timeout=self._idle_poll_s):
                     break
-        self._fail_all("the server is shutting down")
+        self._fail_all("the server is shutting down", 503)
 
     def _drain(self, block: bool, timeout: float | None = None) -> bool:
         """Apply queued commands (waiting for the first if `block`). False on stop."""
@@ -198,6 +202,9 @@ class AsyncEngine:
 
     def _apply(self, env: _Envelope) -> None:
         cmd = env.cmd
+        if isinstance(cmd, M.AbortAll):  # the streams are ours, not the engine's
+            self._fail_all(cmd.message, cmd.error_status)
+            return
         try:
             result, exc = self.engine.handle(cmd), None
         except Exception as e:  # the caller's fault (LoraServeError) or a bad prompt
@@ -230,7 +237,7 @@ class AsyncEngine:
         log.error("engine step failed; failing in-flight requests:\n%s", traceback.format_exc())
         self._fail_all("internal error in the engine step (see the server log)")
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, error_status: int = 500) -> None:
         for rid in list(self._streams):
             out = None
             try:
@@ -241,6 +248,7 @@ class AsyncEngine:
             if out is None:
                 out = RequestOutput(request_id=rid, prompt_token_ids=[], finished=True)
             out.finish_reason, out.error = FinishReason.ERROR, message
+            out.error_status = error_status
             _put(loop, q, out)
 
 

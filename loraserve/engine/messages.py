@@ -60,8 +60,16 @@ class GetSnapshot:
     pass
 
 
+@dataclass(frozen=True)
+class AbortAll:
+    """End every request in flight with this error (the server is shutting down)."""
+
+    message: str
+    error_status: int = 503
+
+
 EngineCommand = AddRequest | AbortRequest | CheckAdapterLoad | LoadAdapter | UnloadAdapter | \
-    GetSnapshot
+    GetSnapshot | AbortAll
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
     g.add_argument("--served-model-name", action="append", default=None,
                    help="another name clients may use for the base model (repeatable)")
+    g.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="on SIGINT/SIGTERM, how long requests in flight may take to finish "
+                        "before they end with a 503 (new requests get a 503 at once)")
     g.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
 

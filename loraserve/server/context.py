@@ -27,6 +27,23 @@ class ServerContext:
     settings: ServerSettings
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
 
+    draining: bool = False  # shutting down: no new requests, in-flight ones may finish
+
+    def check_accepting(self) -> None:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down; retry on another replica or "
+                                "later", "server_unavailable", retry_after_s=5)
+
+    def begin_drain(self, timeout_s: float) -> None:
+        """Stop admitting; after `timeout_s` end whatever still runs with a 503 error
+        (event loop thread)."""
+        if self.draining:
+            return
+        self.draining = True
+        asyncio.get_running_loop().call_later(
+            timeout_s, self.aengine.abort_all,
+            f"the server shut down before this request finished ({timeout_s:g} s drain)")
+
     def __post_init__(self) -> None:
         info = self.aengine.info
         self.model_name: str = info.model_name

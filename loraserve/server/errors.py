@@ -25,9 +25,11 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None):
+    def __init__(self, status: int, message: str, code: str | None = None,
+                 retry_after_s: int | None = None):
         super().__init__(message)
         self.status, self.message, self.code = status, message, code
+        self.retry_after_s = retry_after_s
 
 
 def error_body(status: int, message: str, code: str | None = None) -> dict:
@@ -54,7 +56,10 @@ def validation_message(err: ValidationError | RequestValidationError) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api(_: Request, e: ApiError):
-        return error_response(e.status, e.message, e.code)
+        response = error_response(e.status, e.message, e.code)
+        if e.retry_after_s is not None:
+            response.headers["retry-after"] = str(e.retry_after_s)
+        return response
 
     @app.exception_handler(LoraServeError)
     async def _engine(_: Request, e: LoraServeError):

@@ -24,6 +24,7 @@ from loraserve.types import SEED_RANGE, AdapterNotFoundError, SamplingParams
 
 
 async def completions(ctx: ServerContext, request: Request) -> Response:
+    ctx.check_accepting()
     req = await parse_body(request, P.CompletionRequest)
     lora = ctx.resolve_model(req.model)
     prompts = req.prompts()
@@ -37,6 +38,7 @@ async def completions(ctx: ServerContext, request: Request) -> Response:
 
 
 async def chat_completions(ctx: ServerContext, request: Request) -> Response:
+    ctx.check_accepting()
     req = await parse_body(request, P.ChatCompletionRequest)
     lora = ctx.resolve_model(req.model)
     _check_n(ctx, req.n)
@@ -180,7 +182,8 @@ def _error_of(out) -> tuple[int, dict]:
     """An ended-with-error output as (HTTP status, OpenAI error body): a 4xx when the adapter
     the client named cannot be served, a 500 only for our own bugs."""
     status = out.error_status or 500
-    code = "adapter_load_failed" if 400 <= status < 500 else "engine_error"
+    code = ("adapter_load_failed" if 400 <= status < 500 else
+            "server_unavailable" if status == 503 else "engine_error")
     return status, error_body(status, out.error or "request failed", code)
 
 

@@ -1,0 +1,78 @@
+"""Graceful shutdown (issue 11): on SIGTERM / SIGINT the server stops admitting, lets requests
+in flight finish within --shutdown-timeout, ends the rest with a well-formed 503 (streams: an
+error event, then [DONE]), and exits 0 without a traceback."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+
+import httpx
+import pytest
+from server_utils import ServerProcess
+
+
+def start(tiny_model_dir, tmp_path, timeout_s: str) -> ServerProcess:
+    return ServerProcess(tiny_model_dir, "--shutdown-timeout", timeout_s,
+                         log_dir=tmp_path).wait_ready()
+
+
+def model_of(server) -> str:
+    return server.get("/v1/models").json()["data"][0]["id"]
+
+
+def stream_lines(server, body) -> list[str]:
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True},
+                      timeout=60) as r:
+        return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_requests_that_outlive_the_drain_end_well_formed(tiny_model_dir, tmp_path, sig):
+    server = start(tiny_model_dir, tmp_path, "0.5")
+    model = model_of(server)
+    long = {"model": model, "prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True}
+    got: dict = {}
+    threads = [
+        threading.Thread(target=lambda: got.update(stream=stream_lines(server, long))),
+        threading.Thread(target=lambda: got.update(
+            plain=server.post("/v1/completions", {**long, "n": 8}))),
+    ]
+    for t in threads:
+        t.start()
+    server.wait_busy()
+    server.proc.send_signal(sig)
+    for t in threads:
+        t.join(60)
+    assert server.proc.wait(60) == 0
+    log = server.log()
+    server.stop()
+    plain = got["plain"]
+    assert plain.status_code == 503 and "shut down" in plain.json()["error"]["message"]
+    events = got["stream"]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "server_unavailable" and "shut down" in error["message"]
+    assert "Traceback" not in log and "CancelledError" not in log
+
+
+def test_short_requests_finish_and_new_ones_are_refused(tiny_model_dir, tmp_path):
+    server = start(tiny_model_dir, tmp_path, "20")
+    model = model_of(server)
+    body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True}
+    got: dict = {}
+    t = threading.Thread(target=lambda: got.update(r=server.post("/v1/completions", body)))
+    t.start()
+    server.wait_busy()
+    server.proc.send_signal(signal.SIGTERM)
+    try:  # the listener is closed, or the request is refused with a 503
+        late = httpx.post(server.url + "/v1/completions", json=body, timeout=10)
+        assert late.status_code == 503 and late.headers.get("retry-after")
+    except httpx.TransportError:
+        pass
+    t.join(60)
+    assert got["r"].status_code == 200
+    assert len(got["r"].json()["choices"][0]["text"]) > 0
+    assert server.proc.wait(60) == 0
+    server.stop()
