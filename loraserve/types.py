@@ -40,6 +40,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; k>0: also the top-k
+    # vLLM semantics (see model/logits_processors.py): penalties on the raw logits, min_p
+    # after the temperature, logit_bias as (token id, bias) pairs sorted by id.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0  # EOS and stop ids/strings cannot end the output before this many
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Accept lists for convenience while keeping the object hashable and immutable.
@@ -60,6 +68,41 @@ class SamplingParams:
                              "-bit integer")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        self._check_logits_processing()
+
+    def _check_logits_processing(self) -> None:
+        def within(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
+            v = getattr(self, name)
+            ok = math.isfinite(v) and (lo < v if lo_open else lo <= v) and v <= hi
+            if not ok:
+                raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], "
+                                 f"got {v}")
+
+        within("repetition_penalty", 0.0, 2.0, lo_open=True)
+        within("presence_penalty", -2.0, 2.0)
+        within("frequency_penalty", -2.0, 2.0)
+        within("min_p", 0.0, 1.0)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens}")
+        bias = self.logit_bias
+        pairs = bias.items() if isinstance(bias, dict) else (bias or ())
+        pairs = tuple(sorted((int(t), float(b)) for t, b in pairs))
+        if len(pairs) > 300:
+            raise ValueError("logit_bias: at most 300 tokens")
+        for t, b in pairs:
+            if t < 0 or not (math.isfinite(b) and -100.0 <= b <= 100.0):
+                raise ValueError(f"logit_bias: token {t} must be >= 0 and its bias in "
+                                 f"[-100, 100], got {b}")
+        if len({t for t, _ in pairs}) != len(pairs):
+            raise ValueError("logit_bias: a token appears twice")
+        object.__setattr__(self, "logit_bias", pairs)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether anything beyond temperature/top-k/top-p touches this request's logits."""
+        return bool(self.repetition_penalty != 1.0 or self.presence_penalty
+                    or self.frequency_penalty or self.min_tokens or self.logit_bias)
 
     @property
     def greedy(self) -> bool:

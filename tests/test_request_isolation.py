@@ -66,11 +66,11 @@ def test_an_error_in_the_step_costs_only_its_request(tiny_model_dir, monkeypatch
             for i, (p, sp) in enumerate([(P1, GREEDY), (P2, seeded)])}
     calls = {"failed": 0}
 
-    def flaky_sample(logits, params, generators):
+    def flaky_sample(logits, params, generators, *rest):
         if any(p.top_k == 13 for p in params):  # a request that trips an unforeseen bug
             calls["failed"] += 1
             raise RuntimeError("boom")
-        return sample(logits, params, generators)
+        return sample(logits, params, generators, *rest)
 
     monkeypatch.setattr(runner_module, "sample", flaky_sample)
     bad = SamplingParams(max_tokens=6, temperature=0.0, top_k=13, ignore_eos=True)
@@ -144,16 +144,14 @@ def test_unimplemented_fields_are_refused_by_name_not_ignored(server):
     chat = {"model": model, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     for field, value in [("tools", [tool]), ("response_format", {"type": "json_object"}),
-                         ("repetition_penalty", 1.2), ("min_tokens", 2), ("min_p", 0.1),
-                         ("tool_choice", "required"), ("guided_json", {"type": "object"})]:
+                         ("tool_choice", "required"), ("guided_json", {"type": "object"}),
+                         ("length_penalty", 0.5), ("echo", True), ("use_beam_search", True)]:
         r = server.post("/v1/chat/completions", {**chat, field: value})
         assert r.status_code == 400 and field in r.json()["error"]["message"], (field, r.text)
     # their no-op values, and nulls, change nothing and are served
-    for field, value in [("repetition_penalty", 1.0), ("min_tokens", 0), ("tools", []),
+    for field, value in [("length_penalty", 1.0), ("echo", False), ("tools", []),
                          ("response_format", {"type": "text"}), ("tools", None)]:
         assert server.post("/v1/chat/completions", {**chat, field: value}).status_code == 200
-    r = server.post("/v1/completions", {"model": model, "prompt": "x", "min_tokens": 3})
-    assert r.status_code == 400 and "min_tokens" in r.text
 
 
 def test_a_small_request_is_not_queued_behind_a_huge_fan_out(server):
@@ -181,3 +179,41 @@ def test_a_small_request_is_not_queued_behind_a_huge_fan_out(server):
     finally:
         t.join(120)
     assert result["r"].status_code == 200 and len(result["r"].json()["choices"]) == 1024
+
+
+def test_sampling_fields_change_the_answer_over_http(server, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    model = server.get("/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "prompt": [5, 77, 301, 12, 9], "max_tokens": 12, "temperature": 0}
+
+    def complete(**kw) -> dict:
+        r = server.post("/v1/completions", {**body, **kw})
+        assert r.status_code == 200, (kw, r.text)
+        return r.json()["choices"][0] | {"n": r.json()["usage"]["completion_tokens"]}
+
+    plain = complete(ignore_eos=True)["text"]
+    assert complete(ignore_eos=True, repetition_penalty=2.0)["text"] != plain
+    assert complete(ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0)["text"] != plain
+    assert complete(ignore_eos=True, temperature=1.0, min_p=1.0)["text"] == plain  # top only
+    assert complete(ignore_eos=True, logit_bias={"42": 100})["text"] == tok.decode([42] * 12)
+    eos = complete(logit_bias={"1": 100})
+    assert eos["n"] == 1 and eos["finish_reason"] == "stop"
+    held = complete(logit_bias={"1": 100}, min_tokens=5)
+    assert held["n"] == 6 and held["finish_reason"] == "stop"
+    # the openai client sends them as the OpenAI schema has them (extras in extra_body)
+    client = server.openai()
+    out = client.completions.create(model=model, prompt="hello", max_tokens=5, temperature=0,
+                                    logit_bias={"42": 100}, frequency_penalty=0.5,
+                                    extra_body={"repetition_penalty": 1.1, "min_tokens": 5})
+    assert out.choices[0].text == tok.decode([42] * 5)
+    for bad, name in [({"repetition_penalty": 3}, "repetition_penalty"),
+                      ({"presence_penalty": -2.5}, "presence_penalty"),
+                      ({"min_p": -0.1}, "min_p"), ({"min_tokens": 13}, "min_tokens"),
+                      ({"logit_bias": {"abc": 1}}, "logit_bias"),
+                      ({"logit_bias": {"99999": 1}}, "outside the vocabulary"),
+                      ({"logit_bias": {"5": 1e9}}, "logit_bias")]:
+        r = server.post("/v1/completions", {**body, **bad})
+        assert r.status_code == 400 and name in r.json()["error"]["message"], (bad, r.text)
+    server.wait_idle()

@@ -31,7 +31,13 @@ from loraserve.model.tokenizer import Tokenizer
 from loraserve.request import Request
 from loraserve.scheduler.batch import ScheduledBatch, StepOutput
 from loraserve.scheduler.scheduler import Scheduler
-from loraserve.types import FinishReason, RequestOutput, RequestTooLargeError, SamplingParams
+from loraserve.types import (
+    FinishReason,
+    LoraServeError,
+    RequestOutput,
+    RequestTooLargeError,
+    SamplingParams,
+)
 
 log = logging.getLogger("loraserve.engine")
 
@@ -59,8 +65,8 @@ class LLMEngine:
                                   reserved_names=frozenset({mc.name}))
         lora = create_lora_backend(self.slot_pool, c.lora_backend)
         attention = create_attention_backend("cpu", c.block_size, self.device)
-        self.runner = ModelRunner(self.model, c, num_blocks, self.device, attention, lora)
-        eos = set(self.tokenizer.eos_token_ids) | set(mc.eos_token_ids)
+        eos = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
+        self.runner = ModelRunner(self.model, c, num_blocks, self.device, attention, lora, eos)
         self.scheduler = Scheduler(c, self.kv, self.store, eos, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.info = M.EngineInfo(
@@ -155,6 +161,10 @@ class LLMEngine:
         ids = self.tokenize(prompt)
         if not ids:
             raise RequestTooLargeError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab:  # sorted by token id
+            raise LoraServeError(f"logit_bias: token {params.logit_bias[-1][0]} is outside "
+                                 f"the vocabulary [0, {vocab})")
         total = len(ids) + params.max_tokens
         if len(ids) >= self.max_model_len:
             raise RequestTooLargeError(

@@ -36,12 +36,15 @@ class OutputProcessor:
         if req.finish_reason is not None:
             req.text += detok.flush()  # whatever was held back for a partial character
         if stops and len(req.text) > prev:
-            cut = stops.find(req.text, len(req.text) - prev)
-            if cut is not None:
-                req.text = req.text[:cut]
-                req.finish_reason = FinishReason.STOP
+            if req.num_output_tokens <= req.params.min_tokens:
+                stops.floor = len(req.text)  # no stop string may start in the first min_tokens
             else:
-                req.holdback = stops.holdback(req.text)
+                cut = stops.find(req.text, len(req.text) - prev)
+                if cut is not None:
+                    req.text = req.text[:cut]
+                    req.finish_reason = FinishReason.STOP
+                else:
+                    req.holdback = stops.holdback(req.text)
         if req.finish_reason is not None:
             req.holdback = 0
             self.drop(req.request_id)

@@ -22,8 +22,10 @@ from loraserve.scheduler.batch import ScheduledBatch, StepOutput
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, config: EngineConfig, num_blocks: int,
-                 device: torch.device, attention: AttentionBackend, lora: LoraBackend):
+                 device: torch.device, attention: AttentionBackend, lora: LoraBackend,
+                 eos_token_ids: frozenset[int] = frozenset()):
         self.model = model
+        self.eos_token_ids = eos_token_ids  # masked while a request is below its min_tokens
         self.device = device
         self.attention = attention
         self.lora = lora
@@ -81,6 +83,8 @@ class ModelRunner:
             if not samplers:
                 return StepOutput.empty()
             gens = [self.generator if r.generator is None else r.generator for r in samplers]
-            res = sample(logits, [r.params for r in samplers], gens)
+            res = sample(logits, [r.params for r in samplers], gens,
+                         [r.prompt_token_ids for r in samplers],
+                         [r.output_token_ids for r in samplers], self.eos_token_ids)
         return StepOutput([r.request_id for r in samplers], res.token_ids, res.logprobs,
                           res.top_logprobs)

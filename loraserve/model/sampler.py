@@ -1,4 +1,5 @@
-"""Per-request sampling of next-token logits: greedy, temperature, top-k, top-p, seed."""
+"""Per-request sampling of next-token logits: penalties and biases (logits_processors.py),
+then greedy, or temperature, min_p, top-k, top-p and a seeded draw."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraserve.model.logits_processors import apply_min_p, process_logits
 from loraserve.types import SamplingParams
 
 
@@ -36,7 +38,15 @@ def sample(
     logits: torch.Tensor,  # [B, V] float32
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    prompts: list[list[int]] | None = None,  # per row: needed by repetition_penalty
+    outputs: list[list[int]] | None = None,  # per row: the tokens sampled so far
+    eos_token_ids: frozenset[int] = frozenset(),
 ) -> SampleResult:
+    raw = logits  # logprobs are reported from the model's own distribution (vLLM's default)
+    if any(p.processes_logits for p in params):
+        if prompts is None or outputs is None:
+            raise ValueError("penalties and min_tokens need each row's prompt and output")
+        logits = process_logits(logits, params, prompts, outputs, eos_token_ids)
     greedy = all(p.greedy for p in params)
     if greedy:
         tokens = logits.argmax(dim=-1)
@@ -46,13 +56,14 @@ def sample(
             if p.greedy:
                 tokens[i] = logits[i].argmax()
                 continue
-            row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
+            row = apply_min_p(logits[i] / p.temperature, p.min_p)
+            row = _filter_top_k_top_p(row, p.top_k, p.top_p)
             probs = row.softmax(-1)
             tokens[i] = torch.multinomial(probs, 1, generator=g)[0]
     token_list = tokens.tolist()
     if all(p.logprobs is None for p in params):
         return SampleResult(token_list, None, None)
-    logp = logits.log_softmax(dim=-1)
+    logp = raw.log_softmax(dim=-1)
     chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
     tops: list[dict[int, float] | None] = []
     for i, p in enumerate(params):

@@ -182,6 +182,7 @@ class StopChecker:
     def __init__(self, stop: Sequence[str]) -> None:
         self.stop = tuple(s for s in stop if s)
         self.max_len = max((len(s) for s in self.stop), default=0)
+        self.floor = 0  # matches start at or after this index (text before it is protected)
 
     def __bool__(self) -> bool:
         return bool(self.stop)
@@ -195,12 +196,13 @@ class StopChecker:
         if not self.stop:
             return None
         start = 0 if new_chars is None else max(0, len(text) - new_chars - self.max_len + 1)
+        start = max(start, self.floor)
         hits = [i for s in self.stop if (i := text.find(s, start)) >= 0]
         return min(hits) if hits else None
 
     def holdback(self, text: str) -> int:
         """Number of trailing chars of `text` that are a proper prefix of some stop string."""
-        for n in range(min(self.max_len - 1, len(text)), 0, -1):
+        for n in range(min(self.max_len - 1, len(text) - self.floor), 0, -1):
             tail = text[-n:]
             if any(s.startswith(tail) for s in self.stop):
                 return n

@@ -165,7 +165,8 @@ class Scheduler:
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         p = req.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+        stop = token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        if stop and req.num_output_tokens > p.min_tokens:  # the sampler masks them before
             return FinishReason.STOP
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH

@@ -1,7 +1,7 @@
 """OpenAI-compatible request and response schemas (plus vLLM/SGLang extras).
 
 Unknown fields are ignored, as the OpenAI clients send some we do not use. Fields that would
-change the answer and that we do not implement (tools, penalties, logit_bias, ...) are refused
+change the answer and that we do not implement (tools, response_format, echo, ...) are refused
 by name when set, never silently ignored.
 """
 
@@ -37,8 +37,8 @@ class StreamOptions(_Request):
 # loraserve does not implement: refused by name unless set to their no-op value, never ignored.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "response_format": ({"type": "text"},), "repetition_penalty": (1, 1.0),
-    "min_tokens": (0,), "min_p": (0, 0.0), "length_penalty": (1, 1.0),
+    "response_format": ({"type": "text"},), "length_penalty": (1, 1.0),
+    "echo": (False,), "suffix": ("",),
     "use_beam_search": (False,), "guided_json": (), "guided_regex": (), "guided_choice": (),
     "guided_grammar": (), "json_schema": (), "regex": (), "ebnf": (), "bad_words": ([],),
     "allowed_token_ids": (), "prompt_logprobs": (), "truncate_prompt_tokens": (),
@@ -58,10 +58,13 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     seed: int | None = None
     user: str | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI) -> bias
     # vLLM / SGLang extras
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    min_p: float = 0.0
     top_k: int = -1
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -79,14 +82,19 @@ class _SamplingFields(_Request):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stops) > 16 or any(not s for s in stops):
             raise ValueError("stop: at most 16 non-empty strings")
         return self
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias: keys are token ids, got {key[:40]!r}")
+            pairs.append((int(key), bias))
+        return tuple(pairs)
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -101,16 +109,10 @@ class CompletionRequest(_SamplingFields):
     prompt: PromptField
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
-    suffix: str | None = None
     best_of: int | None = None
 
     @model_validator(mode="after")
     def _checks(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
         if self.best_of not in (None, 1, self.n):
             raise ValueError("best_of is not supported")
         return self

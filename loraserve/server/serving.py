@@ -91,7 +91,9 @@ def _params(ctx: ServerContext, req, max_tokens: int, prompt_len: int,
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
             top_k=req.top_k, seed=req.seed, stop=req.stops,
             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-            logprobs=logprobs)
+            logprobs=logprobs, repetition_penalty=req.repetition_penalty,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            min_tokens=req.min_tokens, min_p=req.min_p, logit_bias=req.logit_bias_pairs)
     except ValueError as e:
         raise ApiError(400, str(e), "invalid_sampling_params") from e
 
