@@ -132,6 +132,9 @@ class EngineConfig:
     starvation_steps: int = knob(
         32, "steps a request refused by the adapter cap may wait before nothing newer is "
             "admitted ahead of it")
+    request_fair_share: float = knob(
+        0.5, "while other clients' requests wait, the largest share of max_num_seqs and of the "
+             "KV cache that one client request (its n x prompts) may hold in the running batch")
     num_threads: int | None = knob(
         None, "torch intra-op threads (default: torch's choice)")
     seed: int = knob(0, "seed of the sampling RNG of requests that bring no seed of their own")
@@ -160,6 +163,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if not 0.0 < self.request_fair_share <= 1.0:
+            raise ValueError("request_fair_share must be in (0, 1]")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
 

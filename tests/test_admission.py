@@ -131,3 +131,38 @@ def test_fan_out_of_one_origin_does_not_queue_others_behind_all_of_it():
     s.add(Request("offline", [4, 5], SamplingParams(max_tokens=4)))  # no origin: at the end
     order = [r.request_id for r in s.waiting]
     assert order == ["A0", "B0", "C0", "A1", "B1", "A2", "A3", "A4", "A5", "offline"]
+
+
+def test_one_client_request_holds_at_most_its_fair_share_while_others_wait():
+    # 8 seats, share 0.5: with B waiting, A may hold 4 seats; alone, A may hold all 8.
+    s, _ = make(cap=4, max_num_seqs=8)
+    for i in range(10):
+        s.add(Request(f"A{i}", [4, 5, 6], SamplingParams(max_tokens=4), origin="A"))
+    first = s.schedule()  # A alone: work-conserving, it takes every seat
+    assert len(first.entries) == 8
+    advance(s, first)
+    s2, _ = make(cap=4, max_num_seqs=8)
+    for i in range(10):
+        s2.add(Request(f"A{i}", [4, 5, 6], SamplingParams(max_tokens=4), origin="A"))
+    for i in range(6):
+        s2.add(Request(f"B{i}", [4, 5], SamplingParams(max_tokens=4), origin="B"))
+    batch = s2.schedule()
+    origins = [r.origin for r, _ in batch.entries]
+    assert origins.count("A") == 4 and origins.count("B") == 4
+    assert all(r.blocked_steps == 0 for r in s2.waiting)  # a deferral is not a refusal
+
+
+def test_fair_share_counts_kv_tokens_and_always_admits_a_first_sequence():
+    # KV 1024 tokens, share 0.7 = 716: A's sequences of 300 prompt + 100 out fit one at a time
+    # while B waits (queue A0 B0 A1 B1 A2; 3 seats): A1 is deferred and B1 takes its seat.
+    s, _ = make(cap=4, max_num_seqs=3, max_num_batched_tokens=4096, request_fair_share=0.7)
+    for i in range(3):
+        s.add(Request(f"A{i}", list(range(4, 304)), SamplingParams(max_tokens=100), origin="A"))
+    s.add(Request("B0", [4, 5], SamplingParams(max_tokens=4), origin="B"))
+    s.add(Request("B1", [4, 5], SamplingParams(max_tokens=4), origin="B"))
+    assert sorted(ids(s.schedule())) == ["A0", "B0", "B1"]
+    s2, _ = make(cap=4, max_num_seqs=2, request_fair_share=0.1)  # 0.2 seats: still one
+    s2.add(Request("A0", [4, 5], SamplingParams(max_tokens=4), origin="A"))
+    s2.add(Request("A1", [4, 5], SamplingParams(max_tokens=4), origin="A"))
+    s2.add(Request("B0", [4, 5], SamplingParams(max_tokens=4), origin="B"))
+    assert sorted(ids(s2.schedule())) == ["A0", "B0"]

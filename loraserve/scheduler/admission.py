@@ -9,11 +9,17 @@
     - the KV pool (check, then allocate), first come first served: a request that does not fit
       stops admission rather than being overtaken forever;
     - the starvation bound: once a request has been refused by the cap or the slots for
-      `starvation_steps` steps, nothing newer is admitted until it fits.
+      `starvation_steps` steps, nothing newer is admitted until it fits;
+    - the fair share: while requests of other origins (client requests) wait, one origin's
+      running sequences may hold at most `request_fair_share` of max_num_seqs and of the KV
+      cache (counting each sequence's prompt + max_tokens); its first sequence always may.
+      Work-conserving: what is left after every origin had its share goes to the deferred
+      (the scheduler's second pass), and alone a client request may use everything.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from enum import Enum
 from typing import Protocol
 
@@ -37,6 +43,7 @@ class AdapterResidency(Protocol):
 class Decision(Enum):
     ADMIT = "admit"
     NOT_READY = "not_ready"  # adapter weights still loading: try a later request
+    OVER_SHARE = "over_share"  # its client request holds its fair share: try a later one
     BLOCKED = "blocked"  # the adapter cap or the slots refuse it: counts toward starvation
     STOP = "stop"  # budget, sequence limit, KV pool or a starving request: admit no more
 
@@ -45,7 +52,7 @@ class Admission:
     """One step's admission state, built after the running requests took their share."""
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager, adapters: AdapterResidency,
-                 running: list[Request], token_budget: int):
+                 running: list[Request], token_budget: int, waiting: list[Request]):
         self.config = config
         self.kv = kv
         self.adapters = adapters
@@ -53,12 +60,23 @@ class Admission:
         self.token_budget = token_budget
         self.batch_adapters: set[int | None] = {r.adapter_uid for r in running}
         self.starving = False
+        self.enforce_share = True
+        self.waiting_origins = Counter(r.origin for r in waiting)
+        self.origin_seqs: Counter[str | None] = Counter(r.origin for r in running)
+        self.origin_tokens: Counter[str | None] = Counter()
+        for r in running:
+            self.origin_tokens[r.origin] += footprint(r)
+        share = config.request_fair_share
+        self.max_origin_seqs = share * config.max_num_seqs
+        self.max_origin_tokens = share * kv.capacity_tokens
 
     def try_add(self, req: Request) -> tuple[Decision, int]:
         """(decision, tokens it feeds this step if admitted). On ADMIT its KV blocks are
         allocated and the batch's counters updated; on BLOCKED its starvation count grows."""
         if self.starving or self.token_budget == 0 or self.num_seqs >= self.config.max_num_seqs:
             return Decision.STOP, 0
+        if self._over_share(req):
+            return Decision.OVER_SHARE, 0
         uid = req.adapter_uid
         if uid not in self.batch_adapters:
             if len(self.batch_adapters) + 1 > self.config.max_loras_per_batch:
@@ -77,7 +95,19 @@ class Admission:
         self.num_seqs += 1
         self.token_budget -= n
         self.batch_adapters.add(uid)
+        self.waiting_origins[req.origin] -= 1
+        self.origin_seqs[req.origin] += 1
+        self.origin_tokens[req.origin] += footprint(req)
         return Decision.ADMIT, n
+
+    def _over_share(self, req: Request) -> bool:
+        origin = req.origin
+        others_wait = sum(self.waiting_origins.values()) > self.waiting_origins[origin]
+        if (not self.enforce_share or origin is None or not others_wait
+                or self.origin_seqs[origin] == 0):
+            return False
+        return (self.origin_seqs[origin] + 1 > self.max_origin_seqs
+                or self.origin_tokens[origin] + footprint(req) > self.max_origin_tokens)
 
     def _blocked(self, req: Request) -> Decision:
         req.blocked_steps += 1
@@ -85,3 +115,8 @@ class Admission:
             self.starving = True  # bounded wait: nothing newer goes ahead of it
             return Decision.STOP
         return Decision.BLOCKED
+
+
+def footprint(req: Request) -> int:
+    """The KV tokens a sequence will hold at most: its prompt and every token it may add."""
+    return len(req.prompt_token_ids) + req.params.max_tokens

@@ -118,7 +118,7 @@ class Scheduler:
             budget -= n
         if not batch.preempted:
             self._admit_waiting(batch, Admission(self.config, self.kv, self.adapters,
-                                                 self.running, budget))
+                                                 self.running, budget, list(self.waiting)))
         return batch
 
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
@@ -133,16 +133,30 @@ class Scheduler:
         batch.drop(req)
 
     def _admit_waiting(self, batch: ScheduledBatch, admission: Admission) -> None:
+        deferred = []
         for req in list(self.waiting):
             decision, n = admission.try_add(req)
             if decision is Decision.STOP:
-                break
-            if decision is not Decision.ADMIT:
-                continue
-            self.waiting.remove(req)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            batch.add(req, n)
+                return
+            if decision is Decision.OVER_SHARE:
+                deferred.append(req)
+            elif decision is Decision.ADMIT:
+                self._start(req, n, batch)
+        # What is left after every origin had its share goes to the deferred, in queue order:
+        # the share orders admission, it never leaves a seat empty.
+        admission.enforce_share = False
+        for req in deferred:
+            decision, n = admission.try_add(req)
+            if decision is Decision.STOP:
+                return
+            if decision is Decision.ADMIT:
+                self._start(req, n, batch)
+
+    def _start(self, req: Request, n: int, batch: ScheduledBatch) -> None:
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        batch.add(req, n)
 
     def update_from_output(self, batch: ScheduledBatch, output: StepOutput) -> list[Request]:
         """Advance every scheduled request by the tokens it computed, append the sampled
