@@ -70,6 +70,10 @@ def add_engine_args(p: argparse.ArgumentParser, exclude: frozenset[str] = frozen
     for f in fields:
         flag = "--" + f.name.replace("_", "-")
         help_text = f.metadata.get("help", "")
+        if str(f.type) == "bool" and f.default:
+            g.add_argument(f.metadata["off_flag"], dest=f.name, action="store_false",
+                           default=True, help=help_text)
+            continue
         if str(f.type) == "bool":
             g.add_argument(flag, action="store_true", default=f.default, help=help_text)
             continue

@@ -96,9 +96,11 @@ LORA_DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16"}
 LORA_BACKEND_NAMES = ("cpu", "torch")  # lora/backends/ (kept here so config needs no torch)
 
 
-def knob(default, help_text: str, choices=None):
-    """An engine knob: its default and the help text its generated CLI flag shows."""
-    return field(default=default, metadata={"help": help_text, "choices": choices})
+def knob(default, help_text: str, choices=None, off_flag: str | None = None):
+    """An engine knob: its default and the help text its generated CLI flag shows. A bool
+    that defaults to True is turned off by `off_flag` (e.g. --disable-prefix-cache)."""
+    return field(default=default, metadata={"help": help_text, "choices": choices,
+                                            "off_flag": off_flag})
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,9 @@ class EngineConfig:
     max_num_seqs: int = knob(128, "sequences in one step")
     max_num_batched_tokens: int = knob(
         2048, "tokens in one step (prefill chunks + decodes)")
+    enable_prefix_caching: bool = knob(
+        True, "reuse the K/V of prompt prefixes already computed under the same weights; "
+              "--disable-prefix-cache turns it off", off_flag="--disable-prefix-cache")
     max_model_len: int | None = knob(
         None, "context length (default: the model's max_position_embeddings)")
     starvation_steps: int = knob(

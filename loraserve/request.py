@@ -25,6 +25,8 @@ class Request:
         lora_name: str | None = None,
         generator: Any = None,
         origin: str | None = None,
+        cache_namespace: bytes = b"",
+        fork_parent: Request | None = None,
     ):
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
@@ -35,6 +37,18 @@ class Request:
         self.lora_name = lora_name  # for outputs and logs only, never for lookups
         self.generator = generator  # its own RNG (a torch.Generator) when a seed was given
         self.origin = origin  # the client request it came from (its n x prompts share one)
+        # Prefix cache: the namespace of its K/V (the weights they are computed under), the
+        # hash chain of its full blocks, and how many of its blocks are indexed.
+        self.cache_namespace = cache_namespace
+        self.block_hashes: list[bytes] = []
+        self.num_indexed_blocks = 0
+        self.num_cached_tokens: int | None = None  # prompt tokens reused at first admission
+        self.prefix_counted = False  # its first admission is in the prefix-cache counters
+        # n > 1: the sibling that computes the shared prompt; this one forks from its blocks
+        self.fork_parent = fork_parent
+        self.forks: list[Request] = []  # the siblings that fork from this one
+        if fork_parent is not None:
+            fork_parent.forks.append(self)
         self.output_token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []

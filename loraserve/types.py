@@ -125,6 +125,7 @@ class RequestOutput:
     logprobs: list[float] | None = None  # chosen-token logprob per output token, if asked
     top_logprobs: list[dict[int, float]] | None = None
     holdback: int = 0  # trailing chars of `text` that may begin a stop string: not streamed yet
+    num_cached_tokens: int = 0  # prompt tokens whose K/V were reused (prefix cache or a fork)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -30,7 +30,7 @@ class FakeResidency:
 def make(cap=2, slots=8, **knobs):
     cfg = EngineConfig(kv_cache_tokens=1024, block_size=4, max_loras_per_batch=cap, **knobs)
     res = FakeResidency(slots)
-    return Scheduler(cfg, KVCacheManager(256, 4), res), res
+    return Scheduler(cfg, KVCacheManager(256, 4, enable_prefix_caching=False), res), res
 
 
 def req(rid, uid, n=4, max_tokens=4):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from loraserve import LLM, SamplingParams
+from loraserve.adapters.stats import AdapterStats
 from loraserve.config import EngineConfig
 from loraserve.engine.engine import LLMEngine
 from loraserve.kvcache.block_pool import BlockPool
@@ -162,6 +163,12 @@ class BreakingStore:
 
     def acquire(self, name):
         return 7
+
+    def fingerprint(self, uid):
+        return "x"
+
+    def stats(self, uid):
+        return AdapterStats()
 
     def release(self, uid):
         pass

@@ -6,7 +6,7 @@ import pytest
 
 from loraserve import LLM, SamplingParams
 from loraserve.config import EngineConfig
-from loraserve.kvcache.manager import KVCacheManager
+from loraserve.kvcache.manager import NO_PREFIX, KVCacheManager
 from loraserve.request import Request, RequestStatus
 from loraserve.scheduler.batch import StepOutput
 from loraserve.scheduler.scheduler import Scheduler
@@ -25,21 +25,25 @@ class CheckedKV(KVCacheManager):
         self.ok: tuple | None = None
         self.refused = 0
 
-    def can_allocate(self, req, n):
-        ok = super().can_allocate(req, n)
-        self.ok = (id(req), n) if ok else None
+    def can_allocate(self, req, n, prefix=NO_PREFIX):
+        ok = super().can_allocate(req, n, prefix)
+        self.ok = (id(req), n, prefix) if ok else None
         self.refused += not ok
         return ok
 
-    def allocate(self, req, n):
-        assert self.ok == (id(req), n), "allocate without a successful can_allocate"
+    def allocate(self, req, n, prefix=NO_PREFIX):
+        assert self.ok == (id(req), n, prefix), "allocate without a successful can_allocate"
         self.ok = None
-        super().allocate(req, n)
+        super().allocate(req, n, prefix)
 
 
 def make(kv_tokens=256, block_size=4, **knobs) -> Scheduler:
+    # The prompts below share prefixes (4, 5, 6, ...): token counts here assume no cache
+    # unless a test turns it on (tests/test_prefix_cache.py tests the cache).
+    knobs.setdefault("enable_prefix_caching", False)
     cfg = EngineConfig(kv_cache_tokens=kv_tokens, block_size=block_size, **knobs)
-    return Scheduler(cfg, CheckedKV(kv_tokens // block_size, block_size))
+    return Scheduler(cfg, CheckedKV(kv_tokens // block_size, block_size,
+                                    cfg.enable_prefix_caching))
 
 
 def req(rid: str, n: int, max_tokens: int = 4) -> Request:

@@ -13,6 +13,8 @@ class AdapterStats:
     slot_evictions: int = 0
     last_load_seconds: float = 0.0
     total_load_seconds: float = 0.0
+    prefix_queries: int = 0  # prompt tokens of its requests (at their first admission)
+    prefix_hits: int = 0  # of those, tokens whose K/V came from the prefix cache or a fork
 
     def record_load(self, seconds: float) -> None:
         self.loads += 1

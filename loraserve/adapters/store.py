@@ -25,6 +25,7 @@ from loraserve.adapters.disk_loader import DiskLoader
 from loraserve.adapters.entry import AdapterEntry, AdapterSnapshot
 from loraserve.adapters.eviction import pick_victim
 from loraserve.adapters.format import LoraAdapterWeights
+from loraserve.adapters.stats import AdapterStats
 from loraserve.types import (
     AdapterBusyError,
     AdapterConflictError,
@@ -142,6 +143,13 @@ class AdapterStore:
         entry.refcount += 1
         entry.stats.requests += 1
         return uid
+
+    def fingerprint(self, uid: int) -> str:
+        """The content hash of the weights under `uid`: the K/V namespace of its requests."""
+        return self.entries[uid].fingerprint
+
+    def stats(self, uid: int) -> AdapterStats:
+        return self.entries[uid].stats
 
     def release(self, uid: int) -> None:
         entry = self.entries[uid]

@@ -17,12 +17,14 @@ import torch
 from loraserve.adapters.disk_loader import DiskLoader
 from loraserve.adapters.format import LoraAdapterWeights, read_adapter
 from loraserve.adapters.slot_pool import LoraSlotPool
+from loraserve.adapters.stats import AdapterStats
 from loraserve.adapters.store import AdapterStore
 from loraserve.config import EngineConfig
 from loraserve.engine import messages as M
 from loraserve.engine.output_processor import OutputProcessor, to_output
 from loraserve.engine.runner import ModelRunner
 from loraserve.kvcache.manager import KVCacheManager
+from loraserve.kvcache.prefix_hash import BASE_NAMESPACE, adapter_namespace
 from loraserve.lora.backends import create_lora_backend
 from loraserve.model.attention import create_attention_backend
 from loraserve.model.bundled import resolve_model_path
@@ -55,7 +57,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.model_path)
         self.max_model_len = min(c.max_model_len or 10**9, mc.max_position_embeddings)
         num_blocks = c.kv_cache_tokens // c.block_size
-        self.kv = KVCacheManager(num_blocks, c.block_size)
+        self.kv = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching)
         self.slot_pool = LoraSlotPool(mc, c.num_lora_slots, c.max_lora_rank,
                                       dtype=c.lora_torch_dtype, device=self.device)
         self.store = AdapterStore(self.slot_pool, DiskLoader(self.read_adapter),
@@ -77,6 +79,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self.base_prefix = AdapterStats()  # the base model's prefix-cache counters
 
     # --- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -84,9 +87,11 @@ class LLMEngine:
         load_errors = store.prepare(sched.running_adapters(), sched.waiting_adapters())
         ended = sched.fail_waiting(load_errors)
         batch = sched.schedule()
+        self._count_prefix_hits(batch.admitted)
         sampled = []
         if batch:
             self.num_steps += 1
+            self.runner.copy_blocks(batch.block_copies)  # forks' copies of a partial block
             output, broken = self._execute(batch, store.bind(batch.adapter_uids))
             ended += broken
             sampled = sched.update_from_output(batch, output)
@@ -120,6 +125,17 @@ class LLMEngine:
                 broken.append(seq.request)
         return StepOutput.concat(outputs), broken
 
+    def _count_prefix_hits(self, admitted: list[Request]) -> None:
+        """Prompt tokens asked of the prefix cache, and found, per adapter (first admission)."""
+        for req in admitted:
+            if req.prefix_counted or req.num_cached_tokens is None:
+                continue
+            req.prefix_counted = True
+            stats = self.base_prefix if req.adapter_uid is None else \
+                self.store.stats(req.adapter_uid)
+            stats.prefix_queries += len(req.prompt_token_ids)
+            stats.prefix_hits += req.num_cached_tokens
+
     def _output(self, req: Request) -> RequestOutput:
         if req.is_finished:
             self._retire(req)
@@ -130,6 +146,7 @@ class LLMEngine:
         released here, exactly once (the uid is cleared on the way)."""
         self.requests.pop(req.request_id, None)
         self.output_processor.drop(req.request_id)
+        req.fork_parent, req.forks = None, []  # no reference cycles outlive the request
         if req.adapter_uid is not None:
             uid, req.adapter_uid = req.adapter_uid, None
             self.store.release(uid)
@@ -157,7 +174,7 @@ class LLMEngine:
 
     def add_request(self, prompt: M.Prompt, params: SamplingParams,
                     lora_name: str | None = None, request_id: str | None = None,
-                    origin: str | None = None) -> Request:
+                    origin: str | None = None, fork_of: str | None = None) -> Request:
         ids = self.tokenize(prompt)
         if not ids:
             raise RequestTooLargeError("the prompt is empty")
@@ -181,8 +198,14 @@ class LLMEngine:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         # Name -> uid once, here; acquires the refcount (404 for a name never loaded).
         uid = None if lora_name is None else self.store.acquire(lora_name)
+        namespace = BASE_NAMESPACE if uid is None else \
+            adapter_namespace(self.store.fingerprint(uid))
+        parent = self.requests.get(fork_of) if fork_of is not None else None
+        if parent is not None and (parent.prompt_token_ids != ids or parent.adapter_uid != uid):
+            parent = None  # not the same prompt under the same weights: nothing to share
         req = Request(request_id, ids, params, adapter_uid=uid, lora_name=lora_name,
-                      generator=gen, origin=origin)
+                      generator=gen, origin=origin, cache_namespace=namespace,
+                      fork_parent=parent)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -191,6 +214,8 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return None
+        for fork in list(req.forks):  # its forks go with it
+            self.abort(fork.request_id)
         self.scheduler.finish(req, FinishReason.ABORT)
         return self._output(req)
 
@@ -217,14 +242,16 @@ class LLMEngine:
         return M.EngineSnapshot(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             kv_blocks_used=pool.num_used, kv_blocks_total=pool.num_blocks,
-            num_steps=self.num_steps, adapters=self.store.snapshot())
+            num_steps=self.num_steps, adapters=self.store.snapshot(),
+            model_name=self.info.model_name, base_prefix_queries=self.base_prefix.prefix_queries,
+            base_prefix_hits=self.base_prefix.prefix_hits, kv_blocks_cached=pool.num_cached)
 
     def handle(self, cmd: M.EngineCommand):
         """Apply one command between steps; its reply (or the exception it raised)."""
         match cmd:
             case M.AddRequest():
                 return self.add_request(cmd.prompt, cmd.params, cmd.lora_name, cmd.request_id,
-                                        cmd.origin)
+                                        cmd.origin, cmd.fork_of)
             case M.AbortRequest():
                 return self.abort(cmd.request_id)
             case M.CheckAdapterLoad():

@@ -22,6 +22,7 @@ class AddRequest:
     params: SamplingParams
     lora_name: str | None = None
     origin: str | None = None  # sequences of one client request share it (fair admission)
+    fork_of: str | None = None  # n > 1: the sibling whose computed prompt this one shares
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,10 @@ class EngineSnapshot:
     kv_blocks_total: int
     num_steps: int
     adapters: tuple[AdapterSnapshot, ...]
+    model_name: str = ""
+    base_prefix_queries: int = 0  # prompt tokens of base-model requests (see AdapterStats)
+    base_prefix_hits: int = 0
+    kv_blocks_cached: int = 0  # full blocks indexed by the prefix cache (held or free)
 
     @property
     def kv_usage(self) -> float:

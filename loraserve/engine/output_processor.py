@@ -73,4 +73,5 @@ def to_output(req: Request) -> RequestOutput:
         logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
         top_logprobs=list(req.top_logprobs) if req.params.logprobs else None,
         holdback=req.holdback,
+        num_cached_tokens=req.num_cached_tokens or 0,
     )

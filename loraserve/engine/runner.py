@@ -30,12 +30,26 @@ class ModelRunner:
         self.attention = attention
         self.lora = lora
         c = model.config
+        self.block_size = config.block_size
         shape = (num_blocks * config.block_size, c.num_key_value_heads, c.head_dim)
         # One tensor per layer: writes through views of one big tensor are slow when compiled.
         self.kv_caches = [(torch.zeros(shape, device=device), torch.zeros(shape, device=device))
                           for _ in range(c.num_hidden_layers)]
         # Requests without a seed of their own sample from this one (reproducible per run).
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (src -> dst) in every layer: a fork's own copy of the partial
+        block it shares with its parent, before either writes past the shared tokens."""
+        if not copies:
+            return
+        bs = self.block_size
+        src = torch.cat([torch.arange(s * bs, (s + 1) * bs) for s, _ in copies]).to(self.device)
+        dst = torch.cat([torch.arange(d * bs, (d + 1) * bs) for _, d in copies]).to(self.device)
+        with torch.inference_mode():
+            for k, v in self.kv_caches:
+                k[dst] = k[src]
+                v[dst] = v[src]
 
     def rng_states(self, batch: ScheduledBatch) -> list[tuple[torch.Generator, torch.Tensor]]:
         """The sampling RNGs this batch may draw from, with their states (to replay a step)."""

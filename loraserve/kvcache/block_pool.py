@@ -1,41 +1,98 @@
-"""A pool of fixed-size KV blocks: ids only, the tensors live with the runner."""
+"""A pool of fixed-size KV blocks: ids, refcounts and the prefix-cache index; the tensors live
+with the runner.
+
+Invariants:
+- a block with refcount > 0 is held by that many requests (forks and prefix hits share
+  blocks) and is never handed out again;
+- a block with refcount 0 is in the free queue, oldest-freed first (LRU). If it still holds a
+  cached full block (it has a hash), a later request may take it back from the queue; it is
+  evicted (its hash forgotten) only when `allocate` hands it out for new contents;
+- a hash maps to at most one block, and that block's contents are exactly the tokens the hash
+  names, computed under the namespace (adapter weights) the hash includes.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 
 class BlockPool:
-    """Invariant: every block id is either in the free list or owned by exactly one request."""
-
     def __init__(self, num_blocks: int):
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self._used: set[int] = set()
+        self.ref = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._hash_of: dict[int, bytes] = {}  # block -> the hash of its cached contents
+        self._block_of: dict[bytes, int] = {}  # hash -> block
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
+        """Blocks no request holds (cached ones included: they are reusable)."""
         return len(self._free)
 
     @property
     def num_used(self) -> int:
-        return len(self._used)
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._block_of)
 
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
 
     def allocate(self, n: int) -> list[int]:
+        """`n` blocks for new contents, least recently freed first (evicting cached ones)."""
         if n > len(self._free):
             raise RuntimeError(f"KV pool exhausted: asked {n}, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        self._used.update(blocks)
+        blocks = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            self._forget(b)
+            self.ref[b] = 1
+            blocks.append(b)
         return blocks
 
-    def free(self, blocks: list[int]) -> None:
+    def share(self, blocks: list[int]) -> None:
+        """One more holder for each block (a prefix hit or a fork); free ones leave the queue."""
         for b in blocks:
-            if b not in self._used:
+            if self.ref[b] == 0:
+                del self._free[b]
+            self.ref[b] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one holder of each block. Given in the order they should be evicted: the
+        caller passes a request's table tail first, so a shared prefix outlives its tails."""
+        for b in blocks:
+            if self.ref[b] <= 0:
                 raise RuntimeError(f"double free of KV block {b}")
-            self._used.remove(b)
-            self._free.append(b)
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self._free[b] = None
+
+    # --- the prefix-cache index -----------------------------------------------------------
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self._block_of.get(block_hash)
+
+    def cache(self, block: int, block_hash: bytes) -> None:
+        """Record that a held, full `block` holds the contents `block_hash` names. A block
+        already cached, or a hash already held by another block, is left as it is."""
+        if block in self._hash_of or block_hash in self._block_of:
+            return
+        self._hash_of[block] = block_hash
+        self._block_of[block_hash] = block
+
+    def _forget(self, block: int) -> None:
+        h = self._hash_of.pop(block, None)
+        if h is not None:
+            del self._block_of[h]
+            self.num_evictions += 1
+
+    def reset_cache(self) -> int:
+        """Forget every cached block that no request holds. Returns how many."""
+        idle = [b for b in self._hash_of if self.ref[b] == 0]
+        for b in idle:
+            self._forget(b)
+        return len(idle)

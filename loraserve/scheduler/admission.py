@@ -7,7 +7,9 @@
     - compute slots: the store must be able to bind the batch's adapters at once (pinned ones
       hold theirs); adapter weights must be in host memory (loads start in store.prepare);
     - the KV pool (check, then allocate), first come first served: a request that does not fit
-      stops admission rather than being overtaken forever;
+      stops admission rather than being overtaken forever; a prefix found in the cache (or a
+      fork parent's prompt) is reused, and only the rest is computed and allocated; a fork
+      waits while its parent computes the prompt they share;
     - the starvation bound: once a request has been refused by the cap or the slots for
       `starvation_steps` steps, nothing newer is admitted until it fits;
     - the fair share: while requests of other origins (client requests) wait, one origin's
@@ -87,11 +89,15 @@ class Admission:
                 lora_uids = {u for u in self.batch_adapters if u is not None}
                 if not self.adapters.can_bind(lora_uids | {uid}):
                     return self._blocked(req), 0
-        n = min(req.num_tokens - req.num_computed_tokens, self.token_budget)
-        if not self.kv.can_allocate(req, n):
+        if self.kv.waits_for_fork(req):
+            return Decision.NOT_READY, 0
+        prefix = self.kv.find_prefix(req)
+        start = max(req.num_computed_tokens, prefix.num_tokens)
+        n = min(req.num_tokens - start, self.token_budget)
+        if not self.kv.can_allocate(req, n, prefix):
             return Decision.STOP, 0
         # every check passed: commit
-        self.kv.allocate(req, n)
+        self.kv.allocate(req, n, prefix)
         self.num_seqs += 1
         self.token_budget -= n
         self.batch_adapters.add(uid)

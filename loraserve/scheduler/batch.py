@@ -17,6 +17,10 @@ class ScheduledSeq(NamedTuple):
 class ScheduledBatch:
     entries: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # (src, dst) KV blocks to copy before the forward: a fork's copy of its parent's last,
+    # partial prompt block (the full ones are shared)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)  # from the waiting queue this step
 
     @property
     def num_tokens(self) -> int:

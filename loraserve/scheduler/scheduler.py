@@ -119,6 +119,7 @@ class Scheduler:
         if not batch.preempted:
             self._admit_waiting(batch, Admission(self.config, self.kv, self.adapters,
                                                  self.running, budget, list(self.waiting)))
+        batch.block_copies = self.kv.take_copies()
         return batch
 
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
@@ -157,6 +158,7 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         batch.add(req, n)
+        batch.admitted.append(req)
 
     def update_from_output(self, batch: ScheduledBatch, output: StepOutput) -> list[Request]:
         """Advance every scheduled request by the tokens it computed, append the sampled
@@ -164,6 +166,7 @@ class Scheduler:
         Returns the requests that got a token, in `output` order."""
         for req, n in batch.entries:
             req.num_computed_tokens += n
+            self.kv.cache_full_blocks(req)
         by_id = {req.request_id: req for req, _ in batch.entries}
         sampled = []
         for i, (rid, token) in enumerate(zip(output.request_ids, output.token_ids, strict=True)):

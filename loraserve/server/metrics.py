@@ -146,6 +146,19 @@ class _SnapshotCollector:
                                                   "Evictions from compute slots",
                                                   labels=["adapter"]),
         }
+        yield _gauge("loraserve_kv_cache_blocks_cached", "Full KV blocks the prefix cache "
+                     "indexes (held or reusable)", snap.kv_blocks_cached)
+        # in tokens; the base model's requests under its own name (no adapter may take it)
+        prefix = {
+            "prefix_queries": CounterMetricFamily(
+                "loraserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                labels=["adapter"]),
+            "prefix_hits": CounterMetricFamily(
+                "loraserve_prefix_cache_hits", "Prompt tokens whose K/V were reused",
+                labels=["adapter"]),
+        }
+        prefix["prefix_queries"].add_metric([snap.model_name], snap.base_prefix_queries)
+        prefix["prefix_hits"].add_metric([snap.model_name], snap.base_prefix_hits)
         for a in live:
             name = [a.name]
             per["tier"].add_metric(name, TIERS[a.tier])
@@ -153,7 +166,10 @@ class _SnapshotCollector:
             per["in_flight"].add_metric(name, a.refcount)
             for key in ("requests", "loads", "host_evictions", "slot_evictions"):
                 per[key].add_metric(name, getattr(a.stats, key))
+            for key, family in prefix.items():
+                family.add_metric(name, getattr(a.stats, key))
         yield from per.values()
+        yield from prefix.values()
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -116,8 +116,10 @@ async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: Samplin
         for j in range(req.n):
             # Distinct seeds per choice: n identical samples would be useless.
             sp = params if params.seed is None else replace(params, seed=_nth_seed(params.seed, j))
+            # choice 0 computes the prompt; the others fork from its K/V (copy-on-write)
             jobs.append(ctx.aengine.add_request(prompt, sp, lora, f"{base_id}-{i}-{j}",
-                                                origin=base_id))
+                                                origin=base_id,
+                                                fork_of=f"{base_id}-{i}-0" if j else None))
     results = await asyncio.gather(*jobs, return_exceptions=True)
     streams = [r for r in results if isinstance(r, RequestStream)]
     errors = [r for r in results if not isinstance(r, RequestStream)]
@@ -138,7 +140,8 @@ async def _serve(ctx: ServerContext, request: Request, req, ids, params, lora, c
     timers = [RequestTimer(ctx.metrics, lora) for _ in streams]
     lp = LogprobFormatter(ctx.tokenizer)
     if req.stream:
-        gen = _stream(streams, timers, lp, rid, model, chat, req.include_usage, prompt_tokens)
+        gen = _stream(streams, timers, lp, rid, model, chat, req.include_usage, prompt_tokens,
+                      req.n)
         return StreamingResponse(gen, media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
     outs = await _collect(ctx, request, streams, timers)
@@ -150,8 +153,10 @@ async def _serve(ctx: ServerContext, request: Request, req, ids, params, lora, c
             return JSONResponse(body, status_code=status)
     choices = [full_choice(i, out, lp, chat) for i, out in enumerate(outs)]
     completion = sum(len(o.token_ids) for o in outs)
+    cached = sum(o.num_cached_tokens for o in outs[::req.n])  # each prompt once, as counted
     return JSONResponse(P.completion_response(rid, model, choices,
-                                              P.usage(prompt_tokens, completion), chat=chat))
+                                              P.usage(prompt_tokens, completion, cached),
+                                              chat=chat))
 
 
 async def _collect(ctx: ServerContext, request: Request, streams, timers):
@@ -214,9 +219,9 @@ async def _merge(streams: list[RequestStream]):
             fut.cancel()
 
 
-async def _stream(streams, timers, lp, rid, model, chat, include_usage, prompt_tokens):
+async def _stream(streams, timers, lp, rid, model, chat, include_usage, prompt_tokens, n):
     trackers = [DeltaTracker(i, lp, chat) for i in range(len(streams))]
-    completion = 0
+    completion = cached = 0
 
     def chunk(choices, use=None):
         return sse(P.completion_response(rid, model, choices, use, chunk=True, chat=chat))
@@ -236,9 +241,10 @@ async def _stream(streams, timers, lp, rid, model, chat, include_usage, prompt_t
                 yield chunk([choice])
             if out.finished:
                 completion += len(out.token_ids)
+                cached += out.num_cached_tokens if i % n == 0 else 0
         else:
             if include_usage:
-                yield chunk([], P.usage(prompt_tokens, completion))
+                yield chunk([], P.usage(prompt_tokens, completion, cached))
         yield sse("[DONE]")
     finally:  # client gone (cancelled) or done: free every sequence's blocks now
         for s in streams:
