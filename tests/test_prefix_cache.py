@@ -210,3 +210,38 @@ def test_a_fork_whose_parent_ended_early_still_gets_its_answer(tiny_model_dir, a
         assert outs["f"].token_ids == ref(tiny_model_dir, None, prompt, 5)
         assert outs["f"].num_cached_tokens == (24 if cache else 0)
         assert_idle(eng)
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once(tiny_model_dir, ads):
+    llm = engine_llm(tiny_model_dir, ads)
+    eng = llm.engine
+    tails = [[5, 6, 7], [8, 9, 10], [11, 12, 13]]
+    firsts = [eng.add_request(SYSTEM + t, greedy(), "a") for t in tails]
+    other = eng.add_request(SYSTEM + tails[0], greedy(), "b")  # other weights: no waiting
+    base = eng.add_request(SYSTEM + tails[0], greedy())
+    eng.step()
+    assert firsts[0].block_table and other.block_table and base.block_table
+    assert not firsts[1].block_table and not firsts[2].block_table  # waiting for the prefix
+    outs = run_until_done(eng)
+    cached = [outs[r.request_id].num_cached_tokens for r in (*firsts, other, base)]
+    assert cached == [0, 40, 40, 0, 0]
+    for t, r in zip(tails, firsts, strict=True):
+        assert outs[r.request_id].token_ids == ref(tiny_model_dir, ads["a"], SYSTEM + t, 6)
+    assert_idle(eng)
+
+
+def test_a_request_waiting_on_a_prefix_is_not_stranded_by_its_producer(tiny_model_dir, ads):
+    # Chunked prefill (12 tokens a step): the producer computes the shared prompt over several
+    # steps, the waiter takes each block as it is cached; then the producer is aborted midway.
+    llm = engine_llm(tiny_model_dir, ads, max_num_batched_tokens=12)
+    eng = llm.engine
+    prod = eng.add_request(SYSTEM + [5], greedy(), "a", request_id="producer")
+    wait = eng.add_request(SYSTEM + [6], greedy(), "a", request_id="waiter")
+    eng.step()
+    eng.step()
+    assert prod.num_computed_tokens == 24 and not wait.block_table
+    eng.abort("producer")
+    outs = run_until_done(eng)
+    assert outs["waiter"].num_cached_tokens == 24  # what was cached before the abort
+    assert outs["waiter"].token_ids == ref(tiny_model_dir, ads["a"], SYSTEM + [6], 6)
+    assert_idle(eng)

@@ -7,10 +7,16 @@ hash chain matches, under the request's namespace) or from its fork parent (the 
 prompt blocks, the last partial one to be copied). `can_allocate(req, n, prefix)` says whether
 the rest fits; `allocate(req, n, prefix)` commits both. At least one prompt token is always
 left to compute: its logits are what the request samples from.
+
+Prompt blocks a running request is still computing are known by hash (`_computing`): a
+request whose next block is one of them waits (`waits_for_prefix`) rather than computing the
+same K/V a second time in the same steps (SGLang's in-batch prefix check); it is admitted as
+soon as those blocks are cached, or when their producer leaves (preempted, aborted, ended).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from loraserve.kvcache.block_pool import BlockPool
@@ -38,6 +44,10 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         # (src, dst) block copies the runner must make before the next forward (forks)
         self.pending_copies: list[tuple[int, int]] = []
+        # prompt blocks being computed, by hash: how many running requests compute each, and
+        # which ones each request computes (request id -> hashes)
+        self._computing: Counter[bytes] = Counter()
+        self._computing_by: dict[str, list[bytes]] = {}
 
     @property
     def capacity_tokens(self) -> int:
@@ -77,6 +87,16 @@ class KVCacheManager:
         return (parent is not None and not req.block_table and not parent.is_finished
                 and parent.num_computed_tokens < len(req.prompt_token_ids) - 1)
 
+    def waits_for_prefix(self, req: Request, prefix: Prefix) -> bool:
+        """The first prompt block `req` would compute is being computed by a running request
+        under the same namespace: wait for it to be cached instead of computing it again."""
+        if not self._computing or req.block_table or prefix.copy_from is not None:
+            return False
+        k = len(prefix.blocks)
+        if k >= (req.num_tokens - 1) // self.block_size:
+            return False
+        return self._computing[self._hashes(req, (k + 1) * self.block_size)[k]] > 0
+
     def _blocks_needed(self, req: Request, num_new_tokens: int, prefix: Prefix) -> int:
         total = max(req.num_computed_tokens, prefix.num_tokens) + num_new_tokens
         held = len(req.block_table) + len(prefix.blocks)
@@ -94,7 +114,10 @@ class KVCacheManager:
             self.pool.share(prefix.blocks)
             req.block_table.extend(prefix.blocks)
             req.num_computed_tokens = prefix.num_tokens
+        starting = not req.block_table
         fresh = self.pool.allocate(new)
+        if starting and self.enable_prefix_caching:
+            self._promise(req, len(prefix.blocks))
         if prefix.copy_from is not None:
             self.pending_copies.append((prefix.copy_from, fresh[0]))
         req.block_table.extend(fresh)
@@ -113,6 +136,15 @@ class KVCacheManager:
             self.pool.cache(req.block_table[i], hashes[i])
         req.num_indexed_blocks = full
 
+    def _promise(self, req: Request, first: int) -> None:
+        # The full prompt blocks this request will compute, from `first` on.
+        full = len(req.prompt_token_ids) // self.block_size
+        if full <= first:
+            return
+        hashes = self._hashes(req, full * self.block_size)[first:full]
+        self._computing.update(hashes)
+        self._computing_by[req.request_id] = hashes
+
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
@@ -122,6 +154,10 @@ class KVCacheManager:
         safe to call twice (the table is emptied)."""
         blocks, req.block_table = req.block_table, []
         req.num_indexed_blocks = 0
+        for h in self._computing_by.pop(req.request_id, ()):
+            self._computing[h] -= 1
+            if not self._computing[h]:
+                del self._computing[h]
         self.pool.free(blocks[::-1])
 
     def _hashes(self, req: Request, num_tokens: int) -> list[bytes]:

@@ -9,7 +9,8 @@
     - the KV pool (check, then allocate), first come first served: a request that does not fit
       stops admission rather than being overtaken forever; a prefix found in the cache (or a
       fork parent's prompt) is reused, and only the rest is computed and allocated; a fork
-      waits while its parent computes the prompt they share;
+      waits while its parent computes the prompt they share, and any request waits while a
+      running one computes the next prompt block it would compute (same tokens, same weights);
     - the starvation bound: once a request has been refused by the cap or the slots for
       `starvation_steps` steps, nothing newer is admitted until it fits;
     - the fair share: while requests of other origins (client requests) wait, one origin's
@@ -44,7 +45,7 @@ class AdapterResidency(Protocol):
 
 class Decision(Enum):
     ADMIT = "admit"
-    NOT_READY = "not_ready"  # adapter weights still loading: try a later request
+    NOT_READY = "not_ready"  # adapter loading, or its prefix being computed: try a later one
     OVER_SHARE = "over_share"  # its client request holds its fair share: try a later one
     BLOCKED = "blocked"  # the adapter cap or the slots refuse it: counts toward starvation
     STOP = "stop"  # budget, sequence limit, KV pool or a starving request: admit no more
@@ -92,6 +93,8 @@ class Admission:
         if self.kv.waits_for_fork(req):
             return Decision.NOT_READY, 0
         prefix = self.kv.find_prefix(req)
+        if self.kv.waits_for_prefix(req, prefix):
+            return Decision.NOT_READY, 0
         start = max(req.num_computed_tokens, prefix.num_tokens)
         n = min(req.num_tokens - start, self.token_budget)
         if not self.kv.can_allocate(req, n, prefix):
