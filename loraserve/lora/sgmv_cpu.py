@@ -1,72 +1,30 @@
-"""Build, cache and call the C multi-LoRA kernel (`sgmv_cpu.c`) through ctypes.
+"""Load and call the C multi-LoRA kernel (`sgmv_cpu.c`) through ctypes.
 
-The shared library is compiled once per source, compiler, CPU (it is built with
-`-march=native`) and adapter weight dtype (float32, or bfloat16 with -DLORA_BF16) into
-`$LORASERVE_CACHE/kernels/`, written to a temp file and renamed into place so concurrent
-processes never load a half-written file. It links the libgomp that torch has already loaded,
-so kernel and torch share one OpenMP thread pool.
-
-Where no C compiler is found or the build fails, `load()` returns None once with a warning;
-the backend registry (lora/backends/__init__.py) then falls back to the torch backend.
+Built once per adapter weight dtype (float32, or bfloat16 with -DLORA_BF16) by
+ops/cbuild.py (cached per source, compiler and CPU). Where no C compiler is found or the build
+fails, `load()` returns None once with a warning; the backend registry
+(lora/backends/__init__.py) then falls back to the torch backend.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
 from loraserve.lora.layout import padded_rank
-from loraserve.paths import cache_root
+from loraserve.ops.cbuild import CFLAGS, load_library
 
-log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("sgmv_cpu.c")
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC",
-          "-std=c11"]
+__all__ = ["CFLAGS", "SOURCE", "load", "sgmv"]
 
 # adapter weight dtype -> extra compiler flags of its build (the kernel widens bf16 on load)
 WEIGHT_FLAGS = {torch.float32: [], torch.bfloat16: ["-DLORA_BF16"]}
 
 _lock = threading.Lock()
 _libs: dict[torch.dtype, ctypes.CDLL | None] = {}
-
-
-def _cpu_id() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + flags
-
-
-def _build(cc: str, flags: list[str]) -> Path:
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, _cpu_id(), *CFLAGS,
-                                    *flags]).encode()).hexdigest()[:16]
-    out = cache_root() / "kernels" / f"sgmv_cpu-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        subprocess.run([cc, *CFLAGS, *flags, str(SOURCE), "-o", tmp], check=True,
-                       capture_output=True, text=True)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
 
 
 def load(weight_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
@@ -76,14 +34,8 @@ def load(weight_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
         if weight_dtype in _libs:
             return _libs[weight_dtype]
         _libs[weight_dtype] = None
-        cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-        try:
-            if cc is None:
-                raise RuntimeError("no C compiler (gcc/cc) on PATH")
-            lib = ctypes.CDLL(str(_build(cc, WEIGHT_FLAGS[weight_dtype])))
-        except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
-            detail = getattr(e, "stderr", "") or e
-            log.warning("C LoRA kernel unavailable, using the torch path: %s", detail)
+        lib = load_library(SOURCE, WEIGHT_FLAGS[weight_dtype], "C LoRA kernel")
+        if lib is None:
             return None
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.lora_sgmv.restype = ctypes.c_int

@@ -1,11 +1,15 @@
-"""Attention on CPU: block-row gathers of the cache and torch's SDPA.
+"""Attention on CPU: decodes on the C paged kernel, prefills on torch's SDPA.
 
-Context is read a whole block at a time (rows of block_size * kv_heads * hd floats: 2.5x
-faster than token rows on this CPU); a fresh prompt attends to its own new K/V directly.
+Decodes (one new token each) read their context where it lies in the KV blocks
+(paged_decode.c). A fresh prompt attends to its own new K/V directly; a chunk or a prompt
+with cached context gathers that context a whole block at a time (rows of block_size *
+kv_heads * hd floats: 2.5x faster than token rows) for SDPA. Without a C compiler, or with
+LORASERVE_PAGED_DECODE=0, decodes take the gather + SDPA path too.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -13,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from loraserve.model.attention.base import AttentionBackend, AttentionSeq
+from loraserve.model.attention.paged_decode import load as load_paged_decode
+from loraserve.model.attention.paged_decode import paged_decode
 
 
 @dataclass
@@ -32,10 +38,17 @@ class CpuAttentionMetadata:
     decode_rows: torch.Tensor | None = None  # [Bd] row in the flat batch of each decode
     decode_blocks: torch.Tensor | None = None  # [Bd, nb] block tables of their context
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, nb * block_size] True on context
+    decode_lens: torch.Tensor | None = None  # [Bd] context lengths (the paged kernel's)
     decode_contiguous: bool = False  # decode rows are exactly 0..Bd-1 (no gather/scatter)
 
 
 class CpuAttention(AttentionBackend):
+    def __init__(self, block_size: int, device, paged_decode_kernel: bool | None = None):
+        super().__init__(block_size, device)
+        if paged_decode_kernel is None:
+            paged_decode_kernel = os.environ.get("LORASERVE_PAGED_DECODE", "1") != "0"
+        self.kernel = load_paged_decode() if paged_decode_kernel else None
+
     def prepare(self, seqs: Sequence[AttentionSeq]) -> CpuAttentionMetadata:
         bs, dev = self.block_size, self.device
         slot_mapping: list[int] = []
@@ -63,11 +76,14 @@ class CpuAttention(AttentionBackend):
         meta.decode_blocks = torch.tensor(
             [s.block_table[:max_blocks] + [0] * (max_blocks - min(len(s.block_table), max_blocks))
              for s in decodes], device=dev)
-        lmax = max_blocks * bs
-        lens_t = torch.tensor(lens, device=dev).unsqueeze(1)
-        mask = torch.arange(lmax, device=dev).unsqueeze(0) < lens_t
-        meta.decode_mask = mask.view(len(decodes), 1, 1, lmax)
         rows = [s.start for s in decodes]
+        if self.kernel is not None:
+            meta.decode_lens = torch.tensor(lens, device=dev)
+        else:
+            lmax = max_blocks * bs
+            lens_t = torch.tensor(lens, device=dev).unsqueeze(1)
+            mask = torch.arange(lmax, device=dev).unsqueeze(0) < lens_t
+            meta.decode_mask = mask.view(len(decodes), 1, 1, lmax)
         meta.decode_rows = torch.tensor(rows, device=dev)
         meta.decode_contiguous = rows == list(range(len(rows)))
 
@@ -92,7 +108,10 @@ class CpuAttention(AttentionBackend):
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                                    enable_gqa=gqa)
             out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
-        if meta.decode_blocks is not None:
+        if meta.decode_lens is not None:
+            paged_decode(self.kernel, q, out, meta.decode_rows, k_cache, v_cache,
+                         meta.decode_blocks, meta.decode_lens, self.block_size, scale)
+        elif meta.decode_blocks is not None:
             rows = meta.decode_rows
             only_decodes = meta.decode_contiguous and not meta.prefills
             qd = (q if only_decodes else q[rows]).unsqueeze(2)  # [Bd, nh, 1, hd]

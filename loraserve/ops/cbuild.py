@@ -1,0 +1,71 @@
+"""Build a C source of ours once into a shared library and load it with ctypes.
+
+A library is compiled once per source, compiler, CPU (it is built with `-march=native`) and
+flag set into `$LORASERVE_CACHE/kernels/`, written to a temp file and renamed into place so
+concurrent processes never load a half-written file. It links the libgomp that torch has
+already loaded, so our kernels and torch share one OpenMP thread pool. Where no C compiler is
+found or the build fails, `load_library` returns None (with one warning) and the caller falls
+back to its torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from loraserve.paths import cache_root
+
+log = logging.getLogger(__name__)
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC",
+          "-std=c11"]
+
+
+def _cpu_id() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def compile_once(cc: str, source: Path, flags: list[str]) -> Path:
+    """The shared library of `source` built with `flags`, compiling it only if not cached."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([source.read_text(), cc, version, _cpu_id(), *CFLAGS,
+                                    *flags]).encode()).hexdigest()[:16]
+    out = cache_root() / "kernels" / f"{source.stem}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        subprocess.run([cc, *CFLAGS, *flags, str(source), "-o", tmp], check=True,
+                       capture_output=True, text=True)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load_library(source: Path, flags: list[str], what: str) -> ctypes.CDLL | None:
+    """`source` compiled (once) and loaded; None, with a warning naming `what`, if it cannot
+    be. ctypes releases the GIL for the length of every call into it."""
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    try:
+        if cc is None:
+            raise RuntimeError("no C compiler (gcc/cc) on PATH")
+        return ctypes.CDLL(str(compile_once(cc, source, flags)))
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        log.warning("%s unavailable, using the torch path: %s", what, detail)
+        return None
