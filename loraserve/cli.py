@@ -72,14 +72,12 @@ def add_engine_args(p: argparse.ArgumentParser, exclude: frozenset[str] = frozen
         help_text = f.metadata.get("help", "")
         if str(f.type) == "bool" and f.default:
             g.add_argument(f.metadata["off_flag"], dest=f.name, action="store_false",
-                           default=True, help=help_text)
+                           default=True, help=f"turn off {help_text} (on by default)")
             continue
         if str(f.type) == "bool":
             g.add_argument(flag, action="store_true", default=f.default, help=help_text)
             continue
         base = str(f.type).split("|")[0].strip()  # "int | None" -> int
-        if "default" not in help_text:
-            help_text += f" (default: {f.default})"
         g.add_argument(flag, type=_TYPES[base], default=f.default,
                        choices=f.metadata.get("choices"), help=help_text)
 
@@ -169,6 +167,17 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """--help shows every flag's default, unless its text already says what it is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or not action.option_strings or action.default is None
+                or isinstance(action.default, bool) or action.default is argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from loraserve.bench.cli import add_bench_args, run_bench
     from loraserve.server.cli_args import add_server_args
@@ -177,28 +186,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"loraserve {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate offline for one or more prompts")
+    g = sub.add_parser("generate", help="generate offline for one or more prompts",
+                       formatter_class=_HelpFormatter)
     # --seed here is the requests' sampling seed (the engine's default seed stays 0)
     add_engine_args(g, exclude=frozenset({"seed"}))
     g.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     g.add_argument("--lora", default=None, help="adapter name for every prompt (default: base)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--top-k", type=int, default=-1, help="-1: no top-k")
     g.add_argument("--seed", type=int, default=None, help="sampling seed of every prompt")
-    g.add_argument("--stop", action="append")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past end-of-sequence tokens")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                       formatter_class=_HelpFormatter)
     add_engine_args(s)
     add_server_args(s)
     s.set_defaults(func=cmd_serve)
 
-    b = sub.add_parser("bench", help="load generator against an OpenAI-compatible server")
+    b = sub.add_parser("bench", help="load generator against an OpenAI-compatible server",
+                       formatter_class=_HelpFormatter)
     add_bench_args(b)
     b.set_defaults(func=lambda a: (run_bench(a), 0)[1])
     return parser

@@ -130,8 +130,8 @@ class EngineConfig:
     max_num_batched_tokens: int = knob(
         2048, "tokens in one step (prefill chunks + decodes)")
     enable_prefix_caching: bool = knob(
-        True, "reuse the K/V of prompt prefixes already computed under the same weights; "
-              "--disable-prefix-cache turns it off", off_flag="--disable-prefix-cache")
+        True, "the prefix cache: reuse the K/V of prompt prefixes already computed under the "
+              "same weights", off_flag="--disable-prefix-cache")
     max_model_len: int | None = knob(
         None, "context length (default: the model's max_position_embeddings)")
     starvation_steps: int = knob(

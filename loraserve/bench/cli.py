@@ -23,14 +23,15 @@ def _int_list(s: str) -> tuple[int, ...]:
 
 def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("server")
-    g.add_argument("--base-url", default="http://127.0.0.1:8000")
+    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server to load")
     g.add_argument("--model", default=None,
                    help="base model name for base requests (default: asked from /v1/models)")
-    g.add_argument("--api-key", default=None)
+    g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     g.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     g.add_argument("--max-concurrency", type=int, default=None,
                    help="at most this many requests in flight (default: unlimited)")
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request (0: greedy)")
     g.add_argument("--no-usage", action="store_true",
                    help="do not send stream_options.include_usage; count chunks instead")
 
@@ -38,37 +39,43 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--adapters", default=None, help="comma-separated adapter names")
     g.add_argument("--adapter-prefix", default="lora",
                    help="with --num-adapters: names PREFIX0 .. PREFIX{N-1}")
-    g.add_argument("--num-adapters", type=int, default=0)
-    g.add_argument("--num-requests", type=int, default=100)
+    g.add_argument("--num-adapters", type=int, default=0,
+                   help="adapters named by --adapter-prefix (0: use --adapters)")
+    g.add_argument("--num-requests", type=int, default=100, help="requests to send")
     g.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests/s; inf sends every request at once")
-    g.add_argument("--arrival", choices=ARRIVALS, default="poisson")
-    g.add_argument("--adapter-dist", choices=ADAPTER_DISTS, default="uniform")
-    g.add_argument("--zipf-alpha", type=float, default=1.0)
+    g.add_argument("--arrival", choices=ARRIVALS, default="poisson",
+                   help="inter-arrival times at --request-rate")
+    g.add_argument("--adapter-dist", choices=ADAPTER_DISTS, default="uniform",
+                   help="which adapter each request names")
+    g.add_argument("--zipf-alpha", type=float, default=1.0,
+                   help="skew of --adapter-dist zipf")
     g.add_argument("--burst-size", type=int, default=100, help="requests per burst (bursty)")
     g.add_argument("--burst-groups", type=_int_list, default=None,
                    help="adapter-group sizes per burst, cycled, e.g. 10,20,40 "
                         "(default: growing groups, restarting after the full list)")
     g.add_argument("--base-fraction", type=float, default=0.0,
                    help="fraction of requests sent to the base model")
-    g.add_argument("--input-len", type=int, default=128)
+    g.add_argument("--input-len", type=int, default=128, help="prompt tokens")
     g.add_argument("--input-len-max", type=int, default=None,
                    help="given: input length uniform in [input-len, input-len-max]")
-    g.add_argument("--output-len", type=int, default=32)
-    g.add_argument("--output-len-max", type=int, default=None)
+    g.add_argument("--output-len", type=int, default=32,
+                   help="max_tokens (sent with ignore_eos, so exact)")
+    g.add_argument("--output-len-max", type=int, default=None,
+                   help="given: output length uniform in [output-len, output-len-max]")
     g.add_argument("--prompt-mode", choices=PROMPT_MODES, default="token-ids",
                    help="token-ids: exact lengths; text: ~1 token per word")
     g.add_argument("--token-id-range", type=_int_list, default=(100, 10000),
                    help="LOW,HIGH range for random prompt token ids")
     g.add_argument("--shared-prefix-len", type=int, default=0,
                    help="leading prompt tokens shared by every request (prefix-cache tests)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the workload generator")
 
     g = p.add_argument_group("output")
     g.add_argument("--label", default=None, help="name of this run in tables and plots")
     g.add_argument("--result-json", default=None, help="write the full results here")
     g.add_argument("--plot", default=None, metavar="PNG", help="write TTFT/E2E CDF plot here")
-    g.add_argument("--disable-tqdm", action="store_true")
+    g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     g.add_argument("--quiet", action="store_true", help="do not print the summary")
     return p
 

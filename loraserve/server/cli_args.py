@@ -13,8 +13,9 @@ H11_MAX_EVENT_BYTES = 64 * 1024  # request line + headers: a huge header is refu
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0: every interface)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health")
     g.add_argument("--admin-api-key", default=None,
@@ -23,9 +24,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="enable runtime adapter load/unload without a key (loopback host only)")
     g.add_argument("--lora-root", default=None, metavar="DIR",
                    help="runtime loads must resolve (symlinks followed) inside DIR")
-    g.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    g.add_argument("--max-request-bytes", type=int, default=1 << 20,
+                   help="largest request body; a larger one gets a 413")
     g.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="default: the model's context length")
+                   help="longest prompt a request may send, in tokens (default: the "
+                        "model's context length)")
     g.add_argument("--max-tokens-limit", type=int, default=4096,
                    help="largest max_tokens a request may ask for")
     g.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
@@ -35,7 +38,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGINT/SIGTERM, how long requests in flight may take to finish "
                         "before they end with a 503 (new requests get a 503 at once)")
     g.add_argument("--log-level", default="info",
-                   choices=["debug", "info", "warning", "error"])
+                   choices=["debug", "info", "warning", "error"],
+                   help="log level of the server and of loraserve's own loggers")
 
 
 def settings_from_args(args: argparse.Namespace):
