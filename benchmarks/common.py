@@ -82,9 +82,32 @@ def time_hf(model, prompts, out_len: int, **generate_kw) -> float:
     return dt
 
 
+def machine() -> dict:
+    """What the figures were measured on: CPU model, the ISA torch dispatches to, threads."""
+    import os
+    import platform
+
+    model = platform.processor()
+    try:
+        model = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
+                     if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads(),
+            "onednn_max_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "native"),
+            "kernel_arch": os.environ.get("LORASERVE_CPU_ARCH", "native")}
+
+
 def write_result(name: str, data: dict) -> Path:
+    """docs/bench-results/NAME[-TAG].json (TAG from $LORASERVE_BENCH_TAG: benchmarks/both_isas.py
+    runs a script once per ISA), with the machine it ran on."""
+    import os
+
+    tag = os.environ.get("LORASERVE_BENCH_TAG")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    path = RESULTS / (f"{name}-{tag}.json" if tag else f"{name}.json")
+    data = {**data, "machine": machine()}
     path.write_text(json.dumps(data, indent=2))
     return path
 

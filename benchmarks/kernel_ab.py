@@ -32,13 +32,15 @@ from loraserve.adapters.slot_pool import LoraSlotPool  # noqa: E402
 from loraserve.lora import sgmv_cpu  # noqa: E402
 from loraserve.lora.backends.cpu_kernel import CpuKernelLoraBackend  # noqa: E402
 from loraserve.lora.layout import GROUP_NAMES  # noqa: E402
+from loraserve.ops.cbuild import arch_flags  # noqa: E402
 
 NUM_ADAPTERS = 16
 
 
 def build(src: str, flags: str, dtype: torch.dtype, out_dir: Path, tag: str) -> ctypes.CDLL:
     out = out_dir / f"kernel_{tag}.so"
-    subprocess.run(["gcc", *sgmv_cpu.CFLAGS, *flags.split(), src, "-o", str(out)], check=True)
+    subprocess.run(["gcc", *sgmv_cpu.CFLAGS, *arch_flags(), *flags.split(), src, "-o", str(out)],
+                   check=True)
     lib = ctypes.CDLL(str(out))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.lora_sgmv.restype = ctypes.c_int

@@ -6,6 +6,9 @@ concurrent processes never load a half-written file. It links the libgomp that t
 already loaded, so our kernels and torch share one OpenMP thread pool. Where no C compiler is
 found or the build fails, `load_library` returns None (with one warning) and the caller falls
 back to its torch path.
+
+`LORASERVE_CPU_ARCH` (default `native`) is the `-march` of every build: `x86-64-v3` builds for
+AVX2, to imitate an AVX2-only host on an AVX-512 one (see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 from loraserve.paths import cache_root
 
 log = logging.getLogger(__name__)
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC",
+CFLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC",
           "-std=c11"]
 
 
@@ -36,8 +39,13 @@ def _cpu_id() -> str:
     return platform.machine() + flags
 
 
+def arch_flags() -> list[str]:
+    return [f"-march={os.environ.get('LORASERVE_CPU_ARCH', 'native')}"]
+
+
 def compile_once(cc: str, source: Path, flags: list[str]) -> Path:
     """The shared library of `source` built with `flags`, compiling it only if not cached."""
+    flags = arch_flags() + flags
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([source.read_text(), cc, version, _cpu_id(), *CFLAGS,
                                     *flags]).encode()).hexdigest()[:16]

@@ -1,0 +1,58 @@
+"""Run one benchmark script on this host's native ISA and on imitated AVX2, side by side.
+
+    .venv/bin/python benchmarks/both_isas.py offline_throughput [script args...]
+
+AVX2 is imitated (DESIGN.md §5) with ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2,
+MKL_ENABLE_INSTRUCTIONS=AVX2 and our C kernels built for -march=x86-64-v3. The script runs
+twice, native then AVX2 (each compares loraserve with its reference inside its own run), and
+writes docs/bench-results/SCRIPT-native.json and SCRIPT-avx2.json; every number the two have
+in common is printed side by side. On a host without AVX-512 both runs are AVX2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import RESULTS  # noqa: E402
+
+AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2", "LORASERVE_CPU_ARCH": "x86-64-v3"}
+ISAS = {"native": {}, "avx2": AVX2}
+
+
+def flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}."))
+        elif isinstance(v, int | float | str) and not isinstance(v, bool):
+            out[prefix + k] = v
+    return out
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    script, args = sys.argv[1].removesuffix(".py"), sys.argv[2:]
+    results = {}
+    for tag, env in ISAS.items():
+        print(f"==== {script} on {tag} ====", flush=True)
+        run_env = {**os.environ, **env, "LORASERVE_BENCH_TAG": tag}
+        subprocess.run([sys.executable, str(Path(__file__).with_name(script + ".py")), *args],
+                       env=run_env, check=True)
+        results[tag] = flat(json.loads((RESULTS / f"{script}-{tag}.json").read_text()))
+    print(f"\n{'':44s}{'native':>16s}{'avx2':>16s}")
+    for key in results["native"]:
+        if key in results["avx2"] and not key.startswith("workload"):
+            a, b = results["native"][key], results["avx2"][key]
+            fmt = (lambda x: f"{x:16.3f}") if isinstance(a, float) else (lambda x: f"{x!s:>16}")
+            print(f"{key[:44]:44s}{fmt(a)}{fmt(b)}")
+
+
+if __name__ == "__main__":
+    main()
