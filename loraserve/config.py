@@ -13,7 +13,22 @@ LORA_MODULES = ATTN_MODULES + MLP_MODULES
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """How rotary frequencies are derived from `rope_theta` (HF's `rope_parameters`); the
+    tables are built in model/rope.py. Only the types computed exactly are representable."""
+
+    rope_type: str = "default"  # default | linear | dynamic | llama3
+    factor: float = 1.0  # linear, dynamic, llama3
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int | None = None  # llama3
+
+
+@dataclass(frozen=True)
 class ModelConfig:
+    """The shape and the computation of a Llama-family decoder. Which HF families map onto it,
+    and how, is decided in one place: loraserve/model/families.py."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -28,26 +43,30 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"
+    architecture: str = "LlamaForCausalLM"
+    rope_scaling: RopeScaling = RopeScaling()
+    qkv_bias: bool = False  # q_proj/k_proj/v_proj carry biases (Qwen2; Llama attention_bias)
+    o_bias: bool = False  # o_proj carries a bias (Llama/Qwen3 attention_bias)
+    mlp_bias: bool = False  # gate/up/down carry biases (Llama mlp_bias)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict, name: str = "model") -> ModelConfig:
+    def from_hf_dict(cls, cfg: dict, name: str = "model", **computation) -> ModelConfig:
+        """The shape fields of an HF config.json dict; `computation` sets the fields only a
+        family knows (biases, norms, rope scaling). No checks here: model/families.py refuses
+        what is not computed exactly."""
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"rope type {rope_type!r} is not supported yet")
         theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-            raise ValueError("attention/MLP biases are not supported (Llama family without bias)")
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads", heads),
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
@@ -56,6 +75,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,
+            **computation,
         )
 
     @classmethod

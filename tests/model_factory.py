@@ -132,3 +132,50 @@ def make_tiny_llama(
     model.save_pretrained(path, max_shard_size="100KB" if sharded else "50GB")
     tokenizer.save_pretrained(path)
     return path
+
+
+def make_tiny_family(
+    path: str | Path,
+    model_type: str,
+    *,
+    seed: int = 0,
+    vocab_size: int = 512,
+    initializer_range: float = 0.2,
+    **config_fields,
+) -> Path:
+    """Save a random float32 checkpoint of any transformers `model_type` (llama, qwen2, qwen3,
+    mistral, gemma2, ...) plus the tiny tokenizer. Defaults give a 2-layer, 64-wide GQA model;
+    `config_fields` override or add config fields (rope_parameters, sliding_window, ...).
+
+    Biases and norm weights are randomised too (transformers initialises them to 0 and 1), so
+    a model that ignored a bias or a q/k norm would compute different tokens.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tokenizer(vocab_size, seed)
+    bos_id, eos_id = tokenizer.convert_tokens_to_ids([BOS, EOS])
+    im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
+    fields = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, initializer_range=initializer_range,
+                  rms_norm_eps=1e-6, bos_token_id=bos_id, eos_token_id=eos_id,
+                  pad_token_id=eos_id, tie_word_embeddings=False)
+    fields.update(config_fields)
+    config = AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif "norm" in name and p.dim() == 1:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+    model.generation_config = GenerationConfig(
+        bos_token_id=bos_id, eos_token_id=[eos_id, im_end_id], pad_token_id=eos_id
+    )
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

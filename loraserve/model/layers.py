@@ -11,12 +11,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables (HF 'default' rope, rotate-half layout)."""
+    """Precomputed cos/sin tables (rotate-half layout) from per-pair inverse frequencies
+    (model/rope.py: HF's default and scaled rope types)."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, dtype=torch.float32):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, dtype=torch.float32):
         t = torch.arange(max_positions, dtype=torch.float64)
-        freqs = torch.outer(t, inv_freq)  # [P, hd/2]
+        freqs = torch.outer(t, inv_freq.to(torch.float64))  # [P, hd/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, hd]
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)

@@ -40,3 +40,23 @@ class Linear:
     @property
     def nbytes(self) -> int:
         return self.out_features * self.in_features * 4
+
+
+class BiasedLinear(Linear):
+    """`y = x @ W.T + b` (Qwen2's q/k/v, Llama's attention_bias/mlp_bias); a subclass so that
+    bias-free models pay nothing for it."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor):
+        super().__init__(weight)
+        if bias.shape != (self.out_features,):
+            raise ValueError(f"bias of shape {list(bias.shape)} for a {list(weight.shape)} weight")
+        self.bias = bias.detach().contiguous()  # [d_out]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().__call__(x)
+        y += self.bias  # y is a fresh tensor: in place saves an allocation
+        return y
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + self.out_features * 4

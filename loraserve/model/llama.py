@@ -1,4 +1,8 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2-without-bias, SmolLM) for a flat token batch.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) for a flat token batch.
+
+What differs between those families is data, not code paths: biases live in the `Linear`s,
+rope scaling in the cos/sin tables, and Qwen3's q/k norms are one per-layer check
+(model/families.py decides which family needs what).
 
 The step batch is flat: `T` tokens of many sequences, each with its position. q/k/v and
 gate/up are fused into one matmul each; LoRA deltas are added to those fused outputs by a
@@ -17,6 +21,7 @@ from loraserve.config import ModelConfig
 from loraserve.model.attention import AttentionBackend
 from loraserve.model.layers import RotaryEmbedding, apply_rope, rms_norm
 from loraserve.model.linear import Linear
+from loraserve.model.rope import inv_freq
 
 
 class LoraHook(Protocol):
@@ -35,6 +40,8 @@ class LayerWeights:
     post_norm: torch.Tensor  # [d]
     gate_up: Linear  # d -> 2*inter  fused gate_proj, up_proj
     down: Linear  # inter -> d
+    # [nh + kvh, hd]: q_norm's weight once per q head, then k_norm's per kv head (Qwen3)
+    qk_norm: torch.Tensor | None = None
 
 
 class LlamaModel:
@@ -50,7 +57,8 @@ class LlamaModel:
         self.kv_size = c.num_key_value_heads * c.head_dim
         self.inter = c.intermediate_size
         self.scale = c.head_dim**-0.5
-        self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta)
+        self.rope = RotaryEmbedding(inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
+                                    c.max_position_embeddings)
 
     # --- forward -------------------------------------------------------------------------------
     def forward(
@@ -74,7 +82,10 @@ class LlamaModel:
             if lora is not None:
                 lora(li, "qkv", x, qkv)
             # Rotate q and k in one go: [T, nh + kvh, hd] (half the small ops per layer).
-            qk = apply_rope(qkv[:, : q_size + kv_size].reshape(-1, nh + kvh, hd), cos, sin)
+            qk = qkv[:, : q_size + kv_size].reshape(-1, nh + kvh, hd)
+            if w.qk_norm is not None:  # per-head RMSNorm before RoPE, as Qwen3 does
+                qk = torch.rms_norm(qk, (hd,), None, eps) * w.qk_norm
+            qk = apply_rope(qk, cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, q_size + kv_size :].reshape(-1, kvh, hd)
             a = attention.forward(q, k, v, k_cache, v_cache, attn_meta, self.scale)

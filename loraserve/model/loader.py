@@ -1,4 +1,5 @@
-"""Load a Hugging Face Llama-family checkpoint (config.json + safetensors, sharded too)."""
+"""Load a Hugging Face checkpoint of a supported family (config.json + safetensors, sharded
+too); model/families.py decides whether and how it is computed."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from loraserve.config import ModelConfig
-from loraserve.model.linear import Linear
+from loraserve.model.families import read_model_config
+from loraserve.model.linear import BiasedLinear, Linear
 from loraserve.model.llama import LayerWeights, LlamaModel
 
 
@@ -35,7 +36,7 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 def load_model(path: str | Path) -> LlamaModel:
     path = Path(path)
-    config = ModelConfig.from_dir(path)
+    config = read_model_config(path)  # refuses what we do not compute exactly, before reading
     sd = read_state_dict(path)
 
     def take(name: str) -> torch.Tensor:
@@ -44,24 +45,35 @@ def load_model(path: str | Path) -> LlamaModel:
         except KeyError:
             raise ValueError(f"checkpoint {path} lacks tensor {name!r}") from None
 
+    def linear(names: list[str], bias: bool) -> Linear:
+        """The fused projection of `names` (prefixes of .weight/.bias), stacked on d_out."""
+        weight = torch.cat([take(n + ".weight") for n in names])
+        if not bias:
+            return Linear(weight)
+        return BiasedLinear(weight, torch.cat([take(n + ".bias") for n in names]))
+
+    c = config
     layers = []
-    for i in range(config.num_hidden_layers):
+    for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
-        qkv = torch.cat([take(a + f"{n}.weight") for n in ("q_proj", "k_proj", "v_proj")])
-        gate_up = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+        qk_norm = None
+        if c.qk_norm:  # one weight row per head: q heads first, then kv heads (see llama.py)
+            qk_norm = torch.cat([take(a + "q_norm.weight").expand(c.num_attention_heads, -1),
+                                 take(a + "k_norm.weight").expand(c.num_key_value_heads, -1)])
         layers.append(
             LayerWeights(
                 input_norm=take(p + "input_layernorm.weight").contiguous(),
-                qkv=Linear(qkv),
-                o=Linear(take(a + "o_proj.weight")),
+                qkv=linear([a + n for n in ("q_proj", "k_proj", "v_proj")], c.qkv_bias),
+                o=linear([a + "o_proj"], c.o_bias),
                 post_norm=take(p + "post_attention_layernorm.weight").contiguous(),
-                gate_up=Linear(gate_up),
-                down=Linear(take(m + "down_proj.weight")),
+                gate_up=linear([m + "gate_proj", m + "up_proj"], c.mlp_bias),
+                down=linear([m + "down_proj"], c.mlp_bias),
+                qk_norm=qk_norm,
             )
         )
     embed = take("model.embed_tokens.weight").contiguous()
-    if config.tie_word_embeddings or "lm_head.weight" not in sd:
+    if c.tie_word_embeddings or "lm_head.weight" not in sd:
         lm_head = Linear(embed)  # its own packed copy: embedding rows vs GEMM layout
         sd.pop("lm_head.weight", None)
     else:
