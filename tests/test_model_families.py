@@ -111,3 +111,21 @@ def test_rope_scaling_changes_the_tokens(case, tmp_path):
     prompts = prompts_for(7)
     assert any(argmax_loop(scaled, p, MAX_TOKENS) != argmax_loop(plain, p, MAX_TOKENS)
                for p in prompts)
+
+
+@pytest.mark.parametrize("targets, named", [
+    (["qkv_proj"], "'qkv_proj'"),  # Phi-3's fused module: not in a Qwen3 model
+    (["q_norm"], "'q_norm'"),  # in the model, but not a LoRA-targetable linear
+    (r".*\.c_attn", "targets no module"),  # a regex matching nothing
+])
+def test_adapter_whose_targets_match_nothing_is_refused(targets, named, tmp_path):
+    from adapter_factory import edit_config, make_peft_adapter
+
+    from loraserve.types import LoraServeError
+
+    base_dir = make_tiny_family(tmp_path / "base", "qwen3")
+    adapter = make_peft_adapter(base_dir, tmp_path / "a", target_modules=["q_proj"])
+    edit_config(adapter, target_modules=targets)
+    llm = LLM(str(base_dir))
+    with pytest.raises(LoraServeError, match=named):
+        llm.load_lora_adapter("a", str(adapter))

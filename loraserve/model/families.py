@@ -127,9 +127,15 @@ def _with_hf_defaults(raw: dict, where: str) -> dict:
     """`raw` as transformers reads it: absent fields get the config class's defaults, legacy
     rope_scaling becomes rope_parameters. Its validation errors become one line."""
     from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
 
+    # Its advice on legacy fields is noise here; a refusal must stay one line on stderr.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
     try:
         return AutoConfig.for_model(**raw).to_dict()
     except Exception as e:  # transformers raises several types, some over several lines
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         raise ValueError(f"{where}: invalid config.json: {lines[-1] if lines else e!r}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
