@@ -37,15 +37,16 @@ def test_cpu_attention_equals_the_reference(kernel, nh, kvh, hd):
         pytest.fail("the paged decode kernel did not build (gcc is a test dependency)")
     rng = random.Random(nh * 100 + hd)
     torch.manual_seed(nh * 100 + hd)
-    bs, num_blocks = 4, 64
+    bs, num_blocks = 4, 320
     backend = CpuAttention(bs, "cpu", paged_decode_kernel=kernel)
     assert (backend.kernel is not None) == kernel
     k_cache = torch.zeros(num_blocks * bs, kvh, hd)
     v_cache = torch.zeros(num_blocks * bs, kvh, hd)
     free = list(range(num_blocks))
     rng.shuffle(free)
-    # (cached tokens, new tokens): decodes of many lengths, a fresh prompt, a chunk after context
-    shapes = [(0, 7), (5, 1), (12, 1), (1, 1), (9, 6), (30, 1), (3, 1)]
+    # (cached tokens, new tokens): decodes of many lengths (a long one: the kernel goes
+    # multi-threaded), a fresh prompt, a chunk after context
+    shapes = [(0, 7), (5, 1), (12, 1), (1, 1), (9, 6), (30, 1), (3, 1), (1100, 1)]
     seqs, ctx_k, ctx_v, start = [], [], [], 0
     for cached, new in shapes:
         need = -(-(cached + new) // bs) + rng.randint(0, 1)  # sometimes a spare block

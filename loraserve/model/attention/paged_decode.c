@@ -40,7 +40,9 @@ int paged_decode_attention(const float *q, int64_t q_stride, const int64_t *rows
     int64_t max_len = 0;
     for (int64_t i = 0; i < n; i++) max_len = lens[i] > max_len ? lens[i] : max_len;
     int failed = 0;
-#pragma omp parallel num_threads(nthreads)
+    /* A batch-1 step's few hundred dot products are not worth waking a thread team for. */
+    const int parallel = n * kvh * max_len * hd >= (1 << 17);
+#pragma omp parallel num_threads(nthreads) if (parallel)
     {
         float *p = malloc(sizeof(float) * (size_t)(G * max_len + G * hd + 2 * G));
         if (!p) {
