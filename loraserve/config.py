@@ -113,7 +113,8 @@ class ModelConfig:
 
 # lora_dtype -> torch dtype name (resolved lazily: `loraserve --help` must not import torch)
 LORA_DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16"}
-LORA_BACKEND_NAMES = ("cpu", "torch")  # lora/backends/ (kept here so config needs no torch)
+# lora/backends/ (kept here so config needs no torch)
+LORA_BACKEND_NAMES = ("cpu", "torch", "triton")
 
 
 def knob(default, help_text: str, choices=None, off_flag: str | None = None):
@@ -140,8 +141,8 @@ class EngineConfig:
     max_loras_prefetch: int = knob(
         0, "spare slots filled ahead of time from the waiting queue")
     lora_backend: str | None = knob(
-        None, "LoRA op backend: cpu (C kernel) or torch; default: $LORASERVE_LORA_BACKEND, "
-              "else cpu", LORA_BACKEND_NAMES)
+        None, "LoRA op backend: cpu (C kernel), torch, or triton (GPU); default: "
+              "$LORASERVE_LORA_BACKEND, else cpu", LORA_BACKEND_NAMES)
     allow_pickle_adapters: bool = knob(
         False, "also read adapter_model.bin (pickle: can run code from the file)")
     kv_cache_tokens: int = knob(32768, "KV cache size in tokens")

@@ -6,7 +6,12 @@ tests/ has no __init__.py, so pytest puts it on sys.path and helpers such as
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# The triton LoRA backend's kernels run on this CPU under Triton's interpreter; triton reads
+# the switch when a kernel is defined, so it must be set before anything imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 from model_factory import make_tiny_llama

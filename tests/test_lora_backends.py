@@ -77,7 +77,14 @@ def test_registry_by_name_env_and_errors(monkeypatch):
     monkeypatch.setenv("LORASERVE_LORA_BACKEND", "torch")
     assert create_lora_backend(pool).name == "torch"
     assert create_lora_backend(pool, "cpu").name == "cpu"  # an explicit name wins
-    with pytest.raises(ValueError, match="unknown LoRA backend 'triton'.*'cpu', 'torch'"):
+    with pytest.raises(ValueError, match="unknown LoRA backend 'punica'.*'cpu', 'torch', 'triton'"):
+        create_lora_backend(pool, "punica")
+
+
+def test_triton_on_a_cpu_without_the_interpreter_is_refused_not_replaced(monkeypatch):
+    pool, _ = random_pool(random.Random(8))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="triton LoRA backend needs a CUDA device"):
         create_lora_backend(pool, "triton")
 
 

@@ -1,8 +1,10 @@
 """LoRA backends, chosen once by name when the engine starts.
 
-`cpu` (the C kernel, default) and `torch`. The name comes from `EngineConfig.lora_backend`,
-else `$LORASERVE_LORA_BACKEND`, else `cpu`; when the kernel cannot be built (no compiler),
-`cpu` falls back to `torch` with a warning.
+`cpu` (the C kernel, default), `torch`, and `triton` (GPUs; on a CPU only under
+TRITON_INTERPRET=1). The name comes from `EngineConfig.lora_backend`, else
+`$LORASERVE_LORA_BACKEND`, else `cpu`; when the C kernel cannot be built (no compiler), `cpu`
+falls back to `torch` with a warning. `triton` never falls back: asked for by name, it either
+runs or the engine refuses to start, saying why.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 from loraserve.lora.backends.base import LoraBackend, LoraPlan
 from loraserve.lora.backends.cpu_kernel import CpuKernelLoraBackend, KernelUnavailable
 from loraserve.lora.backends.torch_matmul import TorchLoraBackend
+from loraserve.lora.backends.triton_backend import TritonLoraBackend, TritonUnavailable
 from loraserve.lora.batch import SlotWeights
 
 log = logging.getLogger("loraserve.lora")
@@ -21,6 +24,7 @@ BACKEND_ENV = "LORASERVE_LORA_BACKEND"
 LORA_BACKENDS: dict[str, type[LoraBackend]] = {
     CpuKernelLoraBackend.name: CpuKernelLoraBackend,
     TorchLoraBackend.name: TorchLoraBackend,
+    TritonLoraBackend.name: TritonLoraBackend,
 }
 DEFAULT_BACKEND = CpuKernelLoraBackend.name
 
@@ -36,6 +40,8 @@ def create_lora_backend(weights: SlotWeights, name: str | None = None) -> LoraBa
     except KernelUnavailable as e:
         log.warning("%s; using the torch LoRA backend", e)
         return TorchLoraBackend(weights)
+    except TritonUnavailable as e:
+        raise ValueError(str(e)) from e
 
 
 __all__ = ["LORA_BACKENDS", "LoraBackend", "LoraPlan", "create_lora_backend"]

@@ -1,0 +1,106 @@
+"""Segmented multi-LoRA shrink and expand as Triton kernels (SGMV, as in Punica / S-LoRA),
+over the slot pool's packed layout (adapters/slot_pool.py, lora/layout.py).
+
+Imported only by the `triton` backend: triton stays optional. On a CPU, the kernels run under
+Triton's interpreter (`TRITON_INTERPRET=1`, set before triton is imported): that is how the
+CPU test suite checks them against the reference.
+
+Work is listed per token block on the host (the plan), so a launch has exactly as many
+programs as there are blocks of adapter tokens: base-model rows cost nothing, and a segment
+costs its own packed rank, never max_lora_rank.
+- shrink: program (block i, rank tile j) computes t[rows, 64j:64j+64] = x[rows] @ A_s.T for
+  the 64-column tile j of slot s's A.T ([d_in, w] row-major at c0 * d_in into the slot);
+  tiles past the segment's padded rank exit at once.
+- expand: program (block-part i, column strip j) adds t[rows, o0:o0+r] @ B.T[:, 64j:64j+64]
+  into y[rows, c0+64j:...], B.T's strip j stored [r, w] row-major at boff + 64j * r. Parts of
+  one segment write disjoint columns and segments disjoint rows: no two programs add to the
+  same element.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+BLOCK_M = 16  # tokens per program
+TILE = 64  # layout.RANK_TILE and layout.B_STRIP: the packed layout's tile widths
+
+
+@triton.jit
+def sgmv_shrink_kernel(x_ptr, x_stride, t_ptr, t_stride, a_ptr, a_slot_stride, d_in,
+                       blocks_ptr,  # int64 [n, 4]: slot, row0, row1, padded rank
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr):
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    slot = tl.load(blocks_ptr + i * 4)
+    row0 = tl.load(blocks_ptr + i * 4 + 1)
+    row1 = tl.load(blocks_ptr + i * 4 + 2)
+    rp = tl.load(blocks_ptr + i * 4 + 3)
+    c0 = j * TILE
+    if c0 < rp:
+        w = tl.minimum(rp - c0, TILE)  # this tile's width
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, TILE)
+        row_ok = rows < row1
+        col_ok = cols < w
+        tile = a_ptr + slot * a_slot_stride + c0 * d_in  # [d_in, w] row-major
+        acc = tl.zeros((BLOCK_M, TILE), dtype=tl.float32)
+        for k0 in range(0, d_in, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < d_in
+            xb = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :],
+                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            ab = tl.load(tile + ks[:, None] * w + cols[None, :],
+                         mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc += tl.dot(xb.to(tl.float32), ab.to(tl.float32))
+        tl.store(t_ptr + rows[:, None] * t_stride + (c0 + cols)[None, :], acc,
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def sgmv_expand_kernel(t_ptr, t_stride, y_ptr, y_stride, b_ptr, b_slot_stride,
+                       parts_ptr,  # int64 [n, 8]: slot, row0, row1, o0, r, c0, n_cols, boff
+                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, TILE: tl.constexpr):
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    slot = tl.load(parts_ptr + i * 8)
+    row0 = tl.load(parts_ptr + i * 8 + 1)
+    row1 = tl.load(parts_ptr + i * 8 + 2)
+    o0 = tl.load(parts_ptr + i * 8 + 3)
+    r = tl.load(parts_ptr + i * 8 + 4)
+    c0 = tl.load(parts_ptr + i * 8 + 5)
+    n_cols = tl.load(parts_ptr + i * 8 + 6)
+    boff = tl.load(parts_ptr + i * 8 + 7)
+    s0 = j * TILE
+    if s0 < n_cols:
+        w = tl.minimum(n_cols - s0, TILE)  # this strip's width
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, TILE)
+        row_ok = rows < row1
+        col_ok = cols < w
+        strip = b_ptr + slot * b_slot_stride + boff + s0 * r  # [r, w] row-major
+        acc = tl.zeros((BLOCK_M, TILE), dtype=tl.float32)
+        for k0 in range(0, r, BLOCK_R):
+            ks = k0 + tl.arange(0, BLOCK_R)
+            k_ok = ks < r
+            tb = tl.load(t_ptr + rows[:, None] * t_stride + (o0 + ks)[None, :],
+                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            bb = tl.load(strip + ks[:, None] * w + cols[None, :],
+                         mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc += tl.dot(tb, bb.to(tl.float32))
+        out = y_ptr + rows[:, None] * y_stride + (c0 + s0 + cols)[None, :]
+        mask = row_ok[:, None] & col_ok[None, :]
+        y = tl.load(out, mask=mask, other=0.0)
+        tl.store(out, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+
+
+def launch_shrink(x, t, group_A, blocks, num_blocks: int, max_rp: int, d_in: int) -> None:
+    grid = (num_blocks, triton.cdiv(max_rp, TILE))
+    sgmv_shrink_kernel[grid](x, x.stride(0), t, t.stride(0), group_A, group_A.stride(0), d_in,
+                             blocks, BLOCK_M=BLOCK_M, BLOCK_K=32, TILE=TILE)
+
+
+def launch_expand(t, y, group_B, parts, num_parts: int, max_cols: int) -> None:
+    grid = (num_parts, triton.cdiv(max_cols, TILE))
+    sgmv_expand_kernel[grid](t, t.stride(0), y, y.stride(0), group_B, group_B.stride(0),
+                             parts, BLOCK_M=BLOCK_M, BLOCK_R=16, TILE=TILE)
