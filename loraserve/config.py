@@ -49,6 +49,7 @@ class ModelConfig:
     o_bias: bool = False  # o_proj carries a bias (Llama/Qwen3 attention_bias)
     mlp_bias: bool = False  # gate/up/down carry biases (Llama mlp_bias)
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    nope_layers: tuple[int, ...] = ()  # layers that skip RoPE (SmolLM3's NoPE layers)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict, name: str = "model", **computation) -> ModelConfig:
@@ -115,6 +116,7 @@ class ModelConfig:
 LORA_DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16"}
 # lora/backends/ (kept here so config needs no torch)
 LORA_BACKEND_NAMES = ("cpu", "torch", "triton")
+ATTENTION_BACKEND_NAMES = ("cpu", "triton")  # model/attention/
 
 
 def knob(default, help_text: str, choices=None, off_flag: str | None = None):
@@ -143,6 +145,9 @@ class EngineConfig:
     lora_backend: str | None = knob(
         None, "LoRA op backend: cpu (C kernel), torch, or triton (GPU); default: "
               "$LORASERVE_LORA_BACKEND, else cpu", LORA_BACKEND_NAMES)
+    attention_backend: str | None = knob(
+        None, "attention backend: cpu (C paged decode + SDPA) or triton (GPU); default: the "
+              "device's (cpu on a CPU)", ATTENTION_BACKEND_NAMES)
     allow_pickle_adapters: bool = knob(
         False, "also read adapter_model.bin (pickle: can run code from the file)")
     kv_cache_tokens: int = knob(32768, "KV cache size in tokens")
@@ -175,6 +180,10 @@ class EngineConfig:
         if self.lora_dtype not in LORA_DTYPES:
             raise ValueError(f"lora_dtype must be one of {sorted(LORA_DTYPES)}, "
                              f"got {self.lora_dtype!r}")
+        if (self.attention_backend is not None
+                and self.attention_backend not in ATTENTION_BACKEND_NAMES):
+            raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKEND_NAMES)}"
+                             f", got {self.attention_backend!r}")
         if self.lora_backend is not None and self.lora_backend not in LORA_BACKEND_NAMES:
             raise ValueError(f"lora_backend must be one of {list(LORA_BACKEND_NAMES)}, "
                              f"got {self.lora_backend!r}")

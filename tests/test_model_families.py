@@ -37,6 +37,11 @@ CASES: dict[str, tuple[str, dict]] = {
                                                    max_position_embeddings=512)),
     "qwen2": ("qwen2", dict(rope_parameters=dict(rope_type="default", rope_theta=1e6))),
     "qwen3": ("qwen3", dict(head_dim=32)),  # head_dim independent of hidden / heads (16)
+    # layer 1 skips RoPE (NoPE); tied embeddings as SmolLM3 ships them
+    "smollm3": ("smollm3", dict(no_rope_layers=[1, 0], tie_word_embeddings=True)),
+    # windows on some layers, none binding (as long as the longest context served)
+    "qwen2-window-not-binding": ("qwen2", dict(use_sliding_window=True, sliding_window=512,
+                                               max_window_layers=1)),
 }
 ADAPTERS = {
     "attn": dict(r=8, lora_alpha=16, target_modules=ATTN_MODULES, seed=1, init_scale=0.5),

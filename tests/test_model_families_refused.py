@@ -25,7 +25,8 @@ REFUSED_FAMILIES = {
     "granite": ({}, "GraniteForCausalLM"),
     "phi3": ({}, "Phi3ForCausalLM"),
     "olmo2": ({}, "Olmo2ForCausalLM"),
-    "smollm3": ({}, "SmolLM3ForCausalLM"),
+    "qwen2_moe": (dict(num_experts=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32), "Qwen2MoeForCausalLM"),
     "mixtral": (dict(num_local_experts=2), "MixtralForCausalLM"),
     "qwen3_moe": (dict(num_experts=2, moe_intermediate_size=32), "Qwen3MoeForCausalLM"),
     "gpt2": ({}, "GPT2LMHeadModel"),
@@ -35,9 +36,11 @@ REFUSED_FAMILIES = {
 REFUSED_FIELDS = {
     "mistral-binding-window": ("mistral", dict(sliding_window=8), "sliding_window=8"),
     "qwen2-sliding-layers": ("qwen2", dict(use_sliding_window=True, sliding_window=8,
-                                           max_window_layers=1), "use_sliding_window"),
+                                           max_window_layers=1), "sliding_window=8"),
     "qwen3-sliding-layers": ("qwen3", dict(use_sliding_window=True, sliding_window=8,
-                                           max_window_layers=1), "use_sliding_window"),
+                                           max_window_layers=1), "sliding_window=8"),
+    "smollm3-sliding-layers": ("smollm3", dict(use_sliding_window=True, sliding_window=8,
+                                               no_rope_layers=[1, 0]), "sliding_window=8"),
     "yarn": ("llama", dict(rope_parameters=dict(rope_type="yarn", factor=4.0,
                                                 rope_theta=10000.0)), "'yarn'"),
     "longrope": ("llama", dict(rope_parameters=dict(
@@ -87,6 +90,8 @@ def test_unsupported_field_is_refused_naming_it(case, tmp_path):
     ({"architectures": ["LlamaForCausalLM"]}, "model_type None"),
     ({"model_type": "llama", "architectures": "LlamaForCausalLM"}, "architectures"),
     ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 5}, "multiple"),
+    ({"model_type": "smollm3", "num_hidden_layers": 2, "no_rope_layers": [1]},
+     "invalid config.json"),
     ({"model_type": "llama", "rope_parameters": {
         "full_attention": {"rope_type": "default"}}}, "rope"),
 ])

@@ -30,32 +30,43 @@ def _llama(c: dict, where: str) -> dict:
     return dict(qkv_bias=bias, o_bias=bias, mlp_bias=bool(c.get("mlp_bias")))
 
 
-def _mistral(c: dict, where: str) -> dict:
+def _no_binding_window(c: dict, where: str, sliding: bool) -> None:
+    """Refuse a sliding window that masks something. One at least as long as any context we
+    serve (max_model_len <= max_position_embeddings) is plain causal attention."""
     window = c.get("sliding_window")
-    # A window at least as long as any context we serve masks nothing: plain causal attention.
-    if window is not None and window < c["max_position_embeddings"]:
+    if sliding and window is not None and window < c["max_position_embeddings"]:
         raise ValueError(f"{where}: sliding_window={window} shorter than "
                          f"max_position_embeddings={c['max_position_embeddings']} is not "
                          "supported yet")
+
+
+def _sliding_layers(c: dict) -> bool:
+    return "sliding_attention" in (c.get("layer_types") or [])
+
+
+def _mistral(c: dict, where: str) -> dict:
+    _no_binding_window(c, where, sliding=True)  # Mistral's window covers every layer
     return {}
 
 
-def _full_attention_only(c: dict, where: str) -> None:
-    kinds = set(c.get("layer_types") or ["full_attention"])
-    if kinds != {"full_attention"}:
-        raise ValueError(f"{where}: layer_types {sorted(kinds)} (use_sliding_window) are not "
-                         "supported yet; only full_attention layers")
-
-
 def _qwen2(c: dict, where: str) -> dict:
-    _full_attention_only(c, where)
+    _no_binding_window(c, where, _sliding_layers(c))
     return dict(qkv_bias=True)  # always on in Qwen2, whatever attention_bias says
 
 
 def _qwen3(c: dict, where: str) -> dict:
-    _full_attention_only(c, where)
+    _no_binding_window(c, where, _sliding_layers(c))
     bias = bool(c.get("attention_bias"))
     return dict(qkv_bias=bias, o_bias=bias, qk_norm=True)
+
+
+def _smollm3(c: dict, where: str) -> dict:
+    _no_binding_window(c, where, bool(c.get("use_sliding_window")) and _sliding_layers(c))
+    use_rope = c.get("no_rope_layers")  # 1 = the layer applies RoPE, 0 = NoPE
+    if not isinstance(use_rope, list) or len(use_rope) != c["num_hidden_layers"]:
+        raise ValueError(f"{where}: no_rope_layers must list one 0/1 per layer, got {use_rope!r}")
+    nope = tuple(i for i, r in enumerate(use_rope) if not r)
+    return {**_llama(c, where), "nope_layers": nope}
 
 
 FAMILIES: dict[str, Family] = {
@@ -63,8 +74,9 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family(("MistralForCausalLM",), _mistral),
     "qwen2": Family(("Qwen2ForCausalLM",), _qwen2),
     "qwen3": Family(("Qwen3ForCausalLM",), _qwen3),
+    "smollm3": Family(("SmolLM3ForCausalLM",), _smollm3),
 }
-SUPPORTED = "Llama, Mistral, Qwen2/2.5, Qwen3 (and Llama-shaped models such as SmolLM2)"
+SUPPORTED = "Llama, Mistral, Qwen2/2.5, Qwen3, SmolLM3 (and Llama-shaped ones: SmolLM2, ...)"
 
 # Families users ask for that we know we do not compute, with the reason.
 _REFUSED = {
@@ -75,7 +87,6 @@ _REFUSED = {
     "granite": "its embedding/attention/residual/logit multipliers",
     "phi3": "fused qkv_proj/gate_up_proj tensors",
     "olmo2": "its norm placement",
-    "smollm3": "NoPE layers",
     "mixtral": "mixture of experts",
     "qwen2_moe": "mixture of experts",
     "qwen3_moe": "mixture of experts",

@@ -1,8 +1,8 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) for a flat token batch.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2/3) for a flat token batch.
 
 What differs between those families is data, not code paths: biases live in the `Linear`s,
-rope scaling in the cos/sin tables, and Qwen3's q/k norms are one per-layer check
-(model/families.py decides which family needs what).
+rope scaling in the cos/sin tables; Qwen3's q/k norms and SmolLM3's NoPE layers are one
+per-layer check each (model/families.py decides which family needs what).
 
 The step batch is flat: `T` tokens of many sequences, each with its position. q/k/v and
 gate/up are fused into one matmul each; LoRA deltas are added to those fused outputs by a
@@ -42,6 +42,7 @@ class LayerWeights:
     down: Linear  # inter -> d
     # [nh + kvh, hd]: q_norm's weight once per q head, then k_norm's per kv head (Qwen3)
     qk_norm: torch.Tensor | None = None
+    rope: bool = True  # False: a NoPE layer (SmolLM3) keeps q and k unrotated
 
 
 class LlamaModel:
@@ -85,7 +86,8 @@ class LlamaModel:
             qk = qkv[:, : q_size + kv_size].reshape(-1, nh + kvh, hd)
             if w.qk_norm is not None:  # per-head RMSNorm before RoPE, as Qwen3 does
                 qk = torch.rms_norm(qk, (hd,), None, eps) * w.qk_norm
-            qk = apply_rope(qk, cos, sin)
+            if w.rope:
+                qk = apply_rope(qk, cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, q_size + kv_size :].reshape(-1, kvh, hd)
             a = attention.forward(q, k, v, k_cache, v_cache, attn_meta, self.scale)

@@ -70,6 +70,7 @@ def load_model(path: str | Path) -> LlamaModel:
                 gate_up=linear([m + "gate_proj", m + "up_proj"], c.mlp_bias),
                 down=linear([m + "down_proj"], c.mlp_bias),
                 qk_norm=qk_norm,
+                rope=i not in c.nope_layers,
             )
         )
     embed = take("model.embed_tokens.weight").contiguous()
