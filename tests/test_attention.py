@@ -1,5 +1,6 @@
-"""The CPU attention backend against a plain per-sequence reference: the C paged decode kernel
-and the gather + SDPA path, over random block tables (shuffled, shared, with spare blocks),
+"""The attention backends against a plain per-sequence reference: the CPU backend's C paged
+decode kernel and its gather + SDPA path, and the triton backend (under Triton's interpreter,
+tests/conftest.py), over random block tables (shuffled, shared, with spare blocks),
 grouped-query heads, head sizes that are and are not multiples of 8, and steps mixing fresh
 prompts, chunks with cached context and decodes."""
 
@@ -13,6 +14,7 @@ import torch
 from loraserve.model.attention.base import AttentionSeq
 from loraserve.model.attention.cpu import CpuAttention
 from loraserve.model.attention.paged_decode import load
+from loraserve.model.attention.triton_paged import TritonAttention
 
 
 def reference(q, k_all, v_all, seqs, ctx_k, ctx_v, scale):
@@ -30,23 +32,31 @@ def reference(q, k_all, v_all, seqs, ctx_k, ctx_v, scale):
     return out
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["paged-kernel", "gather-sdpa"])
-@pytest.mark.parametrize("nh,kvh,hd", [(4, 2, 16), (6, 2, 12), (3, 3, 64), (8, 1, 8)])
-def test_cpu_attention_equals_the_reference(kernel, nh, kvh, hd):
+def make_backend(kind: str, block_size: int):
+    if kind == "triton":
+        return TritonAttention(block_size, "cpu")
+    kernel = kind == "paged-kernel"
     if kernel and load() is None:
         pytest.fail("the paged decode kernel did not build (gcc is a test dependency)")
+    backend = CpuAttention(block_size, "cpu", paged_decode_kernel=kernel)
+    assert (backend.kernel is not None) == kernel
+    return backend
+
+
+@pytest.mark.parametrize("kind", ["paged-kernel", "gather-sdpa", "triton"])
+@pytest.mark.parametrize("nh,kvh,hd", [(4, 2, 16), (6, 2, 12), (3, 3, 64), (8, 1, 8)])
+def test_attention_backends_equal_the_reference(kind, nh, kvh, hd):
     rng = random.Random(nh * 100 + hd)
     torch.manual_seed(nh * 100 + hd)
     bs, num_blocks = 4, 320
-    backend = CpuAttention(bs, "cpu", paged_decode_kernel=kernel)
-    assert (backend.kernel is not None) == kernel
+    backend = make_backend(kind, bs)
     k_cache = torch.zeros(num_blocks * bs, kvh, hd)
     v_cache = torch.zeros(num_blocks * bs, kvh, hd)
     free = list(range(num_blocks))
     rng.shuffle(free)
     # (cached tokens, new tokens): decodes of many lengths (a long one: the kernel goes
     # multi-threaded), a fresh prompt, a chunk after context
-    shapes = [(0, 7), (5, 1), (12, 1), (1, 1), (9, 6), (30, 1), (3, 1), (1100, 1)]
+    shapes = [(0, 7), (5, 1), (12, 1), (1, 1), (9, 6), (30, 1), (3, 1), (1100, 1), (2, 40)]
     seqs, ctx_k, ctx_v, start = [], [], [], 0
     for cached, new in shapes:
         need = -(-(cached + new) // bs) + rng.randint(0, 1)  # sometimes a spare block
@@ -75,3 +85,9 @@ def test_cpu_attention_equals_the_reference(kernel, nh, kvh, hd):
     got = backend.forward(q[rows], k[rows], v[rows], k_cache, v_cache, backend.prepare(dec),
                           scale)
     torch.testing.assert_close(got, want[rows], rtol=1e-5, atol=1e-5)
+
+
+def test_triton_attention_on_a_cpu_without_the_interpreter_is_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="triton attention backend needs a CUDA device"):
+        TritonAttention(16, "cpu")

@@ -151,15 +151,19 @@ def test_tiny_mixed_batch_equals_peft(tiny_model_dir, tiny_setup, name):
         assert sum(e.stats.loads for e in entries) > len(ADAPTERS), "no implicit reload"
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_tiny_mixed_batch_equals_peft_on_other_lora_backends(tiny_model_dir, tiny_setup,
-                                                             monkeypatch, backend):
-    # torch: what runs without the C kernel (no compiler); triton: the GPU kernels, here under
-    # Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py). Same tokens as PEFT's.
+@pytest.mark.parametrize("backend,attention", [("torch", "cpu"), ("triton", "triton")])
+def test_tiny_mixed_batch_equals_peft_on_other_backends(tiny_model_dir, tiny_setup,
+                                                        monkeypatch, backend, attention):
+    # torch: the LoRA path without the C kernel (no compiler); triton: the GPU kernels, LoRA
+    # and paged attention, here under Triton's interpreter (TRITON_INTERPRET=1,
+    # tests/conftest.py), chunked prefill included. Same tokens as PEFT's.
     monkeypatch.setenv("LORASERVE_LORA_BACKEND", backend)
     prompts, paths, refs = tiny_setup
-    outs, _, llm = run_mixed(tiny_model_dir, paths, prompts, MAX_TOKENS)
+    outs, trace, llm = run_mixed(tiny_model_dir, paths, prompts, MAX_TOKENS,
+                                 attention_backend=attention, max_num_batched_tokens=24)
+    assert trace.chunks > 0
     assert llm.engine.info.lora_backend == backend
+    assert type(llm.engine.runner.attention).__name__.lower().startswith(attention)
     assert {key: out.token_ids for key, out in outs.items()} == refs
 
 

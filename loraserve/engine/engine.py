@@ -66,7 +66,9 @@ class LLMEngine:
                                   max_loras_prefetch=c.max_loras_prefetch,
                                   reserved_names=frozenset({mc.name}))
         lora = create_lora_backend(self.slot_pool, c.lora_backend)
-        attention = create_attention_backend("cpu", c.block_size, self.device)
+        default_attention = "cpu" if self.device.type == "cpu" else "triton"
+        attention = create_attention_backend(c.attention_backend or default_attention,
+                                             c.block_size, self.device)
         eos = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
         self.runner = ModelRunner(self.model, c, num_blocks, self.device, attention, lora, eos)
         self.scheduler = Scheduler(c, self.kv, self.store, eos, self.max_model_len)

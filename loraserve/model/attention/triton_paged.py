@@ -1,0 +1,120 @@
+"""Paged attention as one Triton kernel, prefill and decode alike (for GPUs; on a CPU only
+under Triton's interpreter, TRITON_INTERPRET=1, which is how the CPU suite checks it).
+
+The step's new K/V are written into their cache slots first; then every new token attends to
+its sequence's context straight from the blocks (no gathered copy), causally. A program takes
+up to BLOCK_M consecutive new tokens of one sequence and one query head, walks the context in
+BLOCK_N-token tiles through the block table (online softmax, float32), and writes its rows.
+Query head h reads kv head h // (nh / kvh), as transformers' repeat_kv.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from loraserve.model.attention.base import AttentionBackend, AttentionSeq
+
+BLOCK_M = 16  # new tokens per program
+BLOCK_N = 16  # context tokens per tile
+
+
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def paged_attention_kernel(
+            q_ptr, q_row, q_head, k_ptr, v_ptr, kv_slot, o_ptr, o_row, o_head,
+            tiles_ptr,  # int64 [n, 4]: sequence, first row, rows, position of the first row
+            tables_ptr, table_stride, scale, block_size, group, hd,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HD: tl.constexpr):
+        i = tl.program_id(0)
+        h = tl.program_id(1)
+        seq = tl.load(tiles_ptr + i * 4)
+        row0 = tl.load(tiles_ptr + i * 4 + 1)
+        nrows = tl.load(tiles_ptr + i * 4 + 2)
+        pos0 = tl.load(tiles_ptr + i * 4 + 3)
+        kvh = h // group
+        m = tl.arange(0, BLOCK_M)
+        d = tl.arange(0, HD)
+        m_ok = m < nrows
+        d_ok = d < hd
+        q = tl.load(q_ptr + (row0 + m)[:, None] * q_row + h * q_head + d[None, :],
+                    mask=m_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        pos = pos0 + m  # each new token's position: it sees positions <= its own
+        best = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        total = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, HD), dtype=tl.float32)
+        end = pos0 + nrows  # context tokens any row of this tile can see
+        for n0 in range(0, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = n < end
+            block = tl.load(tables_ptr + seq * table_stride + n // block_size, mask=n_ok,
+                            other=0)
+            slot = block * block_size + n % block_size
+            kv = slot[:, None] * kv_slot + kvh * hd + d[None, :]
+            k = tl.load(k_ptr + kv, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_ptr + kv, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k.to(tl.float32))) * scale  # [BLOCK_M, BLOCK_N]
+            s = tl.where(n[None, :] <= pos[:, None], s, float("-inf"))
+            new_best = tl.maximum(best, tl.max(s, axis=1))
+            p = tl.exp(s - new_best[:, None])
+            fix = tl.exp(best - new_best)
+            total = total * fix + tl.sum(p, axis=1)
+            acc = acc * fix[:, None] + tl.dot(p, v.to(tl.float32))
+            best = new_best
+        out = acc / total[:, None]
+        tl.store(o_ptr + (row0 + m)[:, None] * o_row + h * o_head + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+    return paged_attention_kernel, triton.next_power_of_2
+
+
+@dataclass
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot written by each new token
+    tiles: torch.Tensor  # int64 [n, 4]: sequence, first row, rows, position of the first row
+    tables: torch.Tensor  # int64 [num seqs, max blocks]
+
+
+class TritonAttention(AttentionBackend):
+    def __init__(self, block_size: int, device):
+        super().__init__(block_size, device)
+        import os
+
+        if self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("the triton attention backend needs a CUDA device (or "
+                             "TRITON_INTERPRET=1 to run it on the CPU)")
+        self.kernel, self.next_pow2 = _kernels()
+
+    def prepare(self, seqs: Sequence[AttentionSeq]) -> TritonAttentionMetadata:
+        bs, dev = self.block_size, self.device
+        slots, tiles = [], []
+        width = max(len(s.block_table) for s in seqs)
+        for i, s in enumerate(seqs):
+            c, table = s.num_computed, s.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + s.num_new))
+            for r0 in range(0, s.num_new, BLOCK_M):
+                tiles.append((i, s.start + r0, min(BLOCK_M, s.num_new - r0), c + r0))
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        return TritonAttentionMetadata(torch.tensor(slots, device=dev),
+                                       torch.tensor(tiles, dtype=torch.int64, device=dev),
+                                       torch.tensor(tables, dtype=torch.int64, device=dev))
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: TritonAttentionMetadata, scale: float):
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        nh, hd = q.shape[1], q.shape[2]
+        if q.stride(2) != 1 or not k_cache.is_contiguous() or not v_cache.is_contiguous():
+            raise ValueError("triton attention needs unit-stride heads and contiguous caches")
+        grid = (meta.tiles.shape[0], nh)
+        self.kernel[grid](q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0),
+                          out, out.stride(0), out.stride(1), meta.tiles, meta.tables,
+                          meta.tables.stride(0), scale, self.block_size,
+                          nh // k_cache.shape[1], hd, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                          HD=max(16, self.next_pow2(hd)))
+        return out
