@@ -17,11 +17,15 @@ class RopeScaling:
     """How rotary frequencies are derived from `rope_theta` (HF's `rope_parameters`); the
     tables are built in model/rope.py. Only the types computed exactly are representable."""
 
-    rope_type: str = "default"  # default | linear | dynamic | llama3
-    factor: float = 1.0  # linear, dynamic, llama3
+    rope_type: str = "default"  # default | linear | dynamic | llama3 | yarn
+    factor: float = 1.0  # linear, dynamic, llama3, yarn
+    original_max_position_embeddings: int | None = None  # llama3, yarn
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
-    original_max_position_embeddings: int | None = None  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn
+    attention_factor: float = 1.0  # cos and sin are multiplied by it (yarn)
 
 
 @dataclass(frozen=True)

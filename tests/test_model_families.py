@@ -37,6 +37,11 @@ CASES: dict[str, tuple[str, dict]] = {
                                                    max_position_embeddings=512)),
     "qwen2": ("qwen2", dict(rope_parameters=dict(rope_type="default", rope_theta=1e6))),
     "qwen3": ("qwen3", dict(head_dim=32)),  # head_dim independent of hidden / heads (16)
+    # yarn: interpolated, ramped and kept pairs, and its attention factor on cos/sin
+    "qwen3-yarn": ("qwen3", dict(head_dim=32, max_position_embeddings=256,
+                                 rope_parameters=dict(rope_type="yarn", factor=4.0,
+                                                      original_max_position_embeddings=32,
+                                                      rope_theta=10000.0))),
     # layer 1 skips RoPE (NoPE); tied embeddings as SmolLM3 ships them
     "smollm3": ("smollm3", dict(no_rope_layers=[1, 0], tie_word_embeddings=True)),
     # windows on some layers, none binding (as long as the longest context served)
@@ -101,7 +106,7 @@ def test_family_mixed_batch_equals_transformers_and_peft(case, tmp_path):
         assert out.token_ids == refs[key], (case, key)
 
 
-@pytest.mark.parametrize("case", ["llama3-rope", "linear-rope"])
+@pytest.mark.parametrize("case", ["llama3-rope", "linear-rope", "qwen3-yarn"])
 def test_rope_scaling_changes_the_tokens(case, tmp_path):
     # Guards the test above: the same weights with plain rope give other tokens, so a model
     # that ignored the scaling could not pass it.

@@ -41,8 +41,6 @@ REFUSED_FIELDS = {
                                            max_window_layers=1), "sliding_window=8"),
     "smollm3-sliding-layers": ("smollm3", dict(use_sliding_window=True, sliding_window=8,
                                                no_rope_layers=[1, 0]), "sliding_window=8"),
-    "yarn": ("llama", dict(rope_parameters=dict(rope_type="yarn", factor=4.0,
-                                                rope_theta=10000.0)), "'yarn'"),
     "longrope": ("llama", dict(rope_parameters=dict(
         rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8,
         long_factor=[2.0] * 8, original_max_position_embeddings=128)), "'longrope'"),

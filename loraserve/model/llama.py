@@ -59,7 +59,7 @@ class LlamaModel:
         self.inter = c.intermediate_size
         self.scale = c.head_dim**-0.5
         self.rope = RotaryEmbedding(inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
-                                    c.max_position_embeddings)
+                                    c.max_position_embeddings, c.rope_scaling.attention_factor)
 
     # --- forward -------------------------------------------------------------------------------
     def forward(
