@@ -22,7 +22,7 @@ from loraserve.lora.reference import lora_reference
 KERNEL = sgmv_cpu.load()
 # Every segment goes to the backend chosen at start: the torch matmuls or the C kernel (the
 # engine no longer splits a batch between them by segment length).
-PATHS = {"torch": "torch", "kernel": "cpu"}
+PATHS = {"torch": "torch", "kernel": "cpu", "triton": "triton"}  # triton: interpreted
 
 
 def backend(pool, path: str = "torch", kernel=None):
