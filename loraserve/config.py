@@ -137,13 +137,19 @@ class EngineConfig:
 
     max_loras_per_batch: int = knob(
         8, "distinct adapters in one batch (the base model counts as one); also the number "
-           "of LoRA slots in compute memory")
+           "of LoRA slots in compute memory. Not binding with one adapter memory "
+           "(--lora-memory unified, the CPU default): every host-resident adapter has its slot")
     max_loaded_loras: int | None = knob(
         None, "adapters kept in host memory, LRU beyond (default: unbounded)")
     max_lora_rank: int = knob(64, "largest adapter rank accepted; sizes the slots")
     lora_dtype: str = knob(
         "auto", "adapter weights in compute memory: auto = the model's (float32); bfloat16 "
                 "halves the memory, exact for adapters trained in bf16", tuple(LORA_DTYPES))
+    lora_memory: str = knob(
+        "auto", "unified: one adapter memory, each adapter packed once when it reaches host "
+                "memory and read there by the kernel (max_loaded_loras bounds it); tiered: "
+                "host memory, then max_loras_per_batch compute slots filled per batch (for "
+                "GPUs); auto: unified on CPU, tiered elsewhere", ("auto", "unified", "tiered"))
     max_loras_prefetch: int = knob(
         0, "spare slots filled ahead of time from the waiting queue")
     lora_backend: str | None = knob(

@@ -47,7 +47,7 @@ def tiers(llm: LLM) -> dict[str, str]:
 
 
 def test_lru_host_eviction_order(tiny_model_dir, ads):
-    llm = LLM(str(tiny_model_dir), max_loaded_loras=2)
+    llm = LLM(str(tiny_model_dir), lora_memory="tiered", max_loaded_loras=2)
     llm.load_lora_adapter("a", ads["a"])
     llm.load_lora_adapter("b", ads["b"])
     gen(llm, [P1], ["a"])  # a is now more recent than b
@@ -66,7 +66,7 @@ def test_lru_host_eviction_order(tiny_model_dir, ads):
 
 
 def test_pinned_never_evicted(tiny_model_dir, ads):
-    llm = LLM(str(tiny_model_dir), max_loras_per_batch=2, max_loaded_loras=2)
+    llm = LLM(str(tiny_model_dir), lora_memory="tiered", max_loras_per_batch=2, max_loaded_loras=2)
     llm.load_lora_adapter("p", ads["a"], pinned=True)
     assert gen(llm, [P1], ["p"]) == [ref(tiny_model_dir, ads["a"], P1, 6)]
     slot = entry(llm, "p").slot
@@ -85,7 +85,7 @@ def test_pinned_never_evicted(tiny_model_dir, ads):
 
 
 def test_at_most_max_loras_per_batch_minus_one_pinned(tiny_model_dir, ads):
-    llm = LLM(str(tiny_model_dir), max_loras_per_batch=3)
+    llm = LLM(str(tiny_model_dir), lora_memory="tiered", max_loras_per_batch=3)
     llm.load_lora_adapter("a", ads["a"], pinned=True)
     llm.load_lora_adapter("b", ads["b"], pinned=True)
     with pytest.raises(LoraServeError, match="pinned"):
@@ -102,11 +102,13 @@ def test_at_most_max_loras_per_batch_minus_one_pinned(tiny_model_dir, ads):
     outs = gen(llm, [P1, P2, P3, P4], ["a", "b", "c", None])
     assert outs[2] == ref(tiny_model_dir, ads["c"], P3, 6)
     with pytest.raises(LoraServeError, match="pinned"):
-        LLM(str(tiny_model_dir), max_loras_per_batch=1).load_lora_adapter("a", ads["a"], True)
+        LLM(str(tiny_model_dir), lora_memory="tiered",
+            max_loras_per_batch=1).load_lora_adapter("a", ads["a"], True)
 
 
 def test_implicit_reload_keeps_uid_and_outputs(tiny_model_dir, ads):
-    llm = LLM(str(tiny_model_dir), max_loaded_loras=1, lora_paths={"a": ads["a"]})
+    llm = LLM(str(tiny_model_dir), lora_memory="tiered",
+              max_loaded_loras=1, lora_paths={"a": ads["a"]})
     first = gen(llm, [P1, P2], ["a", "a"])
     uid = llm.engine.store.names["a"]
     llm.load_lora_adapter("b", ads["b"])
@@ -124,7 +126,8 @@ def test_implicit_reload_refuses_files_changed_on_disk(tiny_model_dir, tmp_path)
     # errors the request instead of silently serving new weights under the old uid.
     path = make_peft_adapter(tiny_model_dir, tmp_path / "a", r=4, seed=1)
     other = make_peft_adapter(tiny_model_dir, tmp_path / "b", r=4, seed=2)
-    llm = LLM(str(tiny_model_dir), max_loaded_loras=1, lora_paths={"a": str(path)})
+    llm = LLM(str(tiny_model_dir), lora_memory="tiered",
+              max_loaded_loras=1, lora_paths={"a": str(path)})
     llm.load_lora_adapter("b", str(other))  # evicts a from host memory
     shutil.copy(other / "adapter_model.safetensors", path / "adapter_model.safetensors")
     out = llm.generate([P1], greedy(4), lora=["a"])[0]
@@ -136,7 +139,7 @@ def test_implicit_reload_refuses_files_changed_on_disk(tiny_model_dir, tmp_path)
 def test_implicit_reload_next_to_a_resident_adapter(tiny_model_dir, ads):
     # Regression: admitting b (resident) and then a (on disk) in the same step made room for
     # a by evicting b, which the step then ran without host weights (RuntimeError).
-    llm = LLM(str(tiny_model_dir), max_loaded_loras=2)
+    llm = LLM(str(tiny_model_dir), lora_memory="tiered", max_loaded_loras=2)
     for name in "abc":
         llm.load_lora_adapter(name, ads[name])
     assert tiers(llm) == {"a": "disk", "b": "host", "c": "host"}
@@ -148,7 +151,7 @@ def test_implicit_reload_next_to_a_resident_adapter(tiny_model_dir, ads):
 
 def test_unload_and_load_new_weights_gets_new_uid(tiny_model_dir, ads, tmp_path):
     path = shutil.copytree(ads["a"], tmp_path / "v")
-    llm = LLM(str(tiny_model_dir), lora_paths={"v": path})
+    llm = LLM(str(tiny_model_dir), lora_memory="tiered", lora_paths={"v": path})
     old = gen(llm, [P1, P2], ["v", "v"])
     uid = llm.engine.store.names["v"]
     llm.load_lora_adapter("v", path)  # same name, same path: a no-op
@@ -170,7 +173,7 @@ def test_unload_and_load_new_weights_gets_new_uid(tiny_model_dir, ads, tmp_path)
 
 
 def test_unload_while_in_flight(tiny_model_dir, ads):
-    llm = LLM(str(tiny_model_dir), max_num_seqs=1, lora_paths={"a": ads["a"]})
+    llm = LLM(str(tiny_model_dir), lora_memory="tiered", max_num_seqs=1, lora_paths={"a": ads["a"]})
     eng, store = llm.engine, llm.engine.store
     r1 = eng.add_request(P1, greedy(8), lora_name="a")
     r2 = eng.add_request(P2, greedy(8), lora_name="a")  # admitted, waits behind max_num_seqs
@@ -197,7 +200,7 @@ def test_unload_while_in_flight(tiny_model_dir, ads):
 
 
 def test_never_loaded_name_is_not_found(tiny_model_dir, ads):
-    llm = LLM(str(tiny_model_dir), lora_paths={"a": ads["a"]})
+    llm = LLM(str(tiny_model_dir), lora_memory="tiered", lora_paths={"a": ads["a"]})
     with pytest.raises(AdapterNotFoundError):
         llm.generate([P1], greedy(4), lora=["nope"])
     with pytest.raises(AdapterNotFoundError):  # the valid request queued first is rolled back
@@ -226,7 +229,8 @@ def test_failed_load_leaves_no_trace(tiny_model_dir, ads, tmp_path):
     bad = [("t", broken("t", truncate_weights)), ("n", broken("n", lambda p: edit_tensors(p, nan))),
            ("r", big), ("m", tmp_path / "missing"), ("x:y", ads["c"]), ("a", ads["c"])]
     # host is full (a running, b idle): a successful load would evict b; a failed one must not
-    llm = LLM(str(tiny_model_dir), max_lora_rank=8, max_loaded_loras=2, max_loras_per_batch=2,
+    llm = LLM(str(tiny_model_dir), lora_memory="tiered",
+              max_lora_rank=8, max_loaded_loras=2, max_loras_per_batch=2,
               lora_paths={"a": ads["a"], "b": ads["b"]})
     eng, store = llm.engine, llm.engine.store
     reqs = [eng.add_request(P1, greedy(10), lora_name="a"), eng.add_request(P2, greedy(10))]
@@ -253,7 +257,7 @@ def test_failed_load_leaves_no_trace(tiny_model_dir, ads, tmp_path):
 
 
 def test_refcount_released_exactly_once(tiny_model_dir, ads, tmp_path):
-    llm = LLM(str(tiny_model_dir), max_num_seqs=1, max_loaded_loras=1)
+    llm = LLM(str(tiny_model_dir), lora_memory="tiered", max_num_seqs=1, max_loaded_loras=1)
     eng = llm.engine
     llm.load_lora_adapter("a", ads["a"])
     a = entry(llm, "a")

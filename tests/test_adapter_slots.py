@@ -37,7 +37,7 @@ def test_reassigned_slot_is_fully_overwritten(tiny_model_dir, ads):
     # x targets all seven modules at rank 4; y only q_proj at rank 16, so y's packed qkv rank
     # rows [0, 16) of A, and its [16, q_out] block of B, cover where x's q/k/v weights were:
     # any leftover of x would leak into y's output.
-    llm = LLM(str(tiny_model_dir), max_loras_per_batch=1,
+    llm = LLM(str(tiny_model_dir), lora_memory="tiered", max_loras_per_batch=1,
               lora_paths={"x": ads["x"], "y": ads["y"]})
     assert gen(llm, [P1], ["x"]) == [ref(tiny_model_dir, ads["x"], P1, 6)]
     slot = entry(llm, "x").slot
@@ -56,7 +56,7 @@ def test_reassigned_slot_is_fully_overwritten(tiny_model_dir, ads):
 
 def test_slot_eviction_during_decode(tiny_model_dir, ads):
     # 3 adapters, 2 slots: slots change hands while other requests keep decoding.
-    llm = LLM(str(tiny_model_dir), max_loras_per_batch=2,
+    llm = LLM(str(tiny_model_dir), lora_memory="tiered", max_loras_per_batch=2,
               lora_paths={n: ads[n] for n in "abc"})
     jobs = [(P1, "a", 3), (P2, "b", 12), (P3, "c", 7), (P4, "a", 9), (P2, "c", 4), (P1, "b", 5)]
     outs = llm.generate([p for p, _, _ in jobs], [greedy(n) for _, _, n in jobs],
@@ -70,7 +70,7 @@ def test_slot_eviction_during_decode(tiny_model_dir, ads):
 def test_runtime_load_during_decode(tiny_model_dir, ads):
     # A load between steps evicts an idle adapter (host + slot) while a decodes; then the
     # freed slot serves the new adapter next to a, and b comes back when there is room.
-    llm = LLM(str(tiny_model_dir), max_loras_per_batch=2, max_loaded_loras=2,
+    llm = LLM(str(tiny_model_dir), lora_memory="tiered", max_loras_per_batch=2, max_loaded_loras=2,
               lora_paths={"a": ads["a"], "b": ads["b"]})
     gen(llm, [P2], ["b"])
     eng = llm.engine
@@ -94,7 +94,8 @@ def test_runtime_load_during_decode(tiny_model_dir, ads):
 @pytest.mark.parametrize("n", [1, 3])
 def test_distinct_adapter_cap_enforced_at_admission(tiny_model_dir, ads, n):
     names = list("abc")[:n]
-    llm = LLM(str(tiny_model_dir), max_loras_per_batch=n, lora_paths={k: ads[k] for k in names})
+    llm = LLM(str(tiny_model_dir), lora_memory="tiered",
+              max_loras_per_batch=n, lora_paths={k: ads[k] for k in names})
     sched, seen = llm.engine.scheduler, []
     orig = sched.schedule
 
@@ -114,7 +115,8 @@ def test_distinct_adapter_cap_enforced_at_admission(tiny_model_dir, ads, n):
 
 def test_waiting_adapter_is_not_starved(tiny_model_dir, ads):
     def first_step_running_b(starvation_steps: int, steps: int = 30) -> int | None:
-        llm = LLM(str(tiny_model_dir), max_loras_per_batch=2, starvation_steps=starvation_steps,
+        llm = LLM(str(tiny_model_dir), lora_memory="tiered",
+                  max_loras_per_batch=2, starvation_steps=starvation_steps,
                   lora_paths={n: ads[n] for n in "abc"})
         eng, max_tokens = llm.engine, 5
         eng.add_request(P1, greedy(max_tokens), lora_name="a")

@@ -14,7 +14,8 @@ from loraserve.types import SamplingParams
 
 
 class FakeResidency:
-    def __init__(self, num_slots: int = 8):
+    def __init__(self, num_slots: int = 8, batch_cap: int | None = 2):
+        self.batch_cap = batch_cap
         self.loading: set[int] = set()
         self.num_slots = num_slots
         self.queries = 0
@@ -29,7 +30,7 @@ class FakeResidency:
 
 def make(cap=2, slots=8, **knobs):
     cfg = EngineConfig(kv_cache_tokens=1024, block_size=4, max_loras_per_batch=cap, **knobs)
-    res = FakeResidency(slots)
+    res = FakeResidency(slots, cap)
     return Scheduler(cfg, KVCacheManager(256, 4, enable_prefix_caching=False), res), res
 
 

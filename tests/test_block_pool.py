@@ -158,6 +158,8 @@ class BreakingStore:
     """An adapter store whose adapter 'x' (uid 7) is ready at first, and whose reload from
     disk fails once `victim` was preempted (its host copy evicted, the file gone meanwhile)."""
 
+    batch_cap = 8
+
     def __init__(self):
         self.victim: Request | None = None
 

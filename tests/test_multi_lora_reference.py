@@ -44,12 +44,17 @@ LENGTHS = [1, 2, 3, 5, 7, 9, 11, 13, 16, 19, 22, 25, 28, 31, 35, 39, 43, 47, 52,
 # EngineConfig knobs for the same mixed batch.
 CONFIGS = {
     "default": {},
-    # 6 adapters + base queued behind 2 per batch: slots are reassigned mid-run
-    "cap2": {"max_loras_per_batch": 2},
+    # tiered memory (the GPU layout): 6 adapters + base queued behind 2 per batch, slots
+    # reassigned mid-run
+    "cap2": {"max_loras_per_batch": 2, "lora_memory": "tiered"},
     "chunked": {"max_num_batched_tokens": 16},
     # everything at once: slot churn, host evictions + implicit reloads, chunks, preemption
     "churn": {"max_loras_per_batch": 3, "max_loaded_loras": 3, "max_num_batched_tokens": 24,
-              "kv_cache_tokens": 160, "block_size": 4},
+              "kv_cache_tokens": 160, "block_size": 4, "lora_memory": "tiered"},
+    # one adapter memory (the CPU default) under pressure: 3 packed adapters at a time, host
+    # evictions + implicit reloads, chunks, preemption; max_loras_per_batch=2 does not bind
+    "unified-churn": {"max_loras_per_batch": 2, "max_loaded_loras": 3,
+                      "max_num_batched_tokens": 24, "kv_cache_tokens": 160, "block_size": 4},
 }
 
 
@@ -132,8 +137,10 @@ def test_tiny_mixed_batch_equals_peft(tiny_model_dir, tiny_setup, name):
     prompts, paths, refs = tiny_setup
     knobs = CONFIGS[name]
     outs, trace, llm = run_mixed(tiny_model_dir, paths, prompts, MAX_TOKENS, **knobs)
-    cap = knobs.get("max_loras_per_batch", 8)
-    assert max(trace.distinct) <= cap  # base counts as one
+    if knobs.get("lora_memory") == "tiered":
+        assert max(trace.distinct) <= knobs.get("max_loras_per_batch", 8)  # base counts as one
+    assert all(e.slot is not None for e in llm.engine.store.entries.values()
+               if e.weights is not None) or knobs.get("lora_memory") == "tiered"
     for key, out in outs.items():
         assert out.error is None and out.finish_reason.value == "length", (key, out.error)
         assert out.lora_name == key[0]
@@ -145,6 +152,11 @@ def test_tiny_mixed_batch_equals_peft(tiny_model_dir, tiny_setup, name):
         assert sum(e.stats.slot_evictions for e in entries) > 0, "no slot was reassigned"
     if "max_num_batched_tokens" in knobs:
         assert trace.chunks > 0, "no chunked prefill"
+    if name == "unified-churn":
+        assert max(trace.distinct) > 2, "max_loras_per_batch bound a unified memory"
+        assert sum(e.stats.host_evictions for e in entries) > 0
+        assert sum(e.stats.loads for e in entries) > len(ADAPTERS), "no implicit reload"
+        assert sum(e.stats.slot_evictions for e in entries) == 0
     if name == "churn":
         assert trace.preempted > 0, "the small KV pool never preempted anything"
         assert sum(e.stats.host_evictions for e in entries) > 0
@@ -198,7 +210,8 @@ def test_bundled_mixed_batch_equals_peft(bundled_model_dir, tmp_path):
         assert out.token_ids == refs[key], (key, BUNDLED_TEXTS[key[0]][key[1]])
     # Two per batch, the rest queued, prompts in 8-token chunks: the same tokens.
     outs, trace, _ = run_mixed(bundled_model_dir, paths, prompts, max_new, kv_cache_tokens=1024,
-                               max_loras_per_batch=2, max_num_batched_tokens=8)
+                               max_loras_per_batch=2, max_num_batched_tokens=8,
+                               lora_memory="tiered")
     assert max(trace.distinct) <= 2 and trace.chunks > 0
     assert {k: o.token_ids for k, o in outs.items()} == refs
 

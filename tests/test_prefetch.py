@@ -30,7 +30,7 @@ def _evict_to_disk(llm: LLM, name: str, other: str, path) -> int:
 
 
 def test_slow_background_load_does_not_stall_decode(tiny_model_dir, ads):
-    llm = LLM(str(tiny_model_dir), max_loras_per_batch=2, max_loaded_loras=1,
+    llm = LLM(str(tiny_model_dir), lora_memory="tiered", max_loras_per_batch=2, max_loaded_loras=1,
               max_loras_prefetch=1, lora_paths={"a": ads["a"]})
     eng = llm.engine
     uid_a = _evict_to_disk(llm, "a", "b", ads["b"])
@@ -54,7 +54,7 @@ def test_slow_background_load_does_not_stall_decode(tiny_model_dir, ads):
 def test_prefetch_fills_a_spare_slot_before_admission(tiny_model_dir, ads):
     # One adapter per batch besides base: b's requests wait behind a's; the prefetcher
     # brings b into host memory and a spare slot while a decodes.
-    llm = LLM(str(tiny_model_dir), max_loras_per_batch=1, max_loaded_loras=2,
+    llm = LLM(str(tiny_model_dir), lora_memory="tiered", max_loras_per_batch=1, max_loaded_loras=2,
               max_loras_prefetch=1, lora_paths={"b": ads["b"], "a": ads["a"]})
     eng = llm.engine
     store = eng.store
@@ -82,7 +82,7 @@ def test_failing_background_load_errors_the_waiting_request(tiny_model_dir, ads,
 
     bad = tmp_path / "bad"
     shutil.copytree(ads["a"], bad)
-    llm = LLM(str(tiny_model_dir), max_loaded_loras=1, max_loras_prefetch=2,
+    llm = LLM(str(tiny_model_dir), lora_memory="tiered", max_loaded_loras=1, max_loras_prefetch=2,
               lora_paths={"bad": str(bad)})
     _evict_to_disk(llm, "bad", "b", ads["b"])
     truncate_weights(bad)  # the file breaks while the adapter is on the disk tier

@@ -105,6 +105,23 @@ class LoraSlotPool:
         the [o1 - o0, c1 - c0] block of B[slot] at offset boff."""
         return self._parts[slot][group]
 
+    def grow(self, num_slots: int) -> None:
+        """Room for `num_slots` adapters, keeping every slot's contents (new slots are empty).
+        The LoRA backends read `A`/`B` afresh each call, so they see the new tensors; the store
+        grows the pool only between steps."""
+        if num_slots <= self.num_slots:
+            return
+        for per_layer in (self.A, self.B):
+            for d in per_layer:
+                for g, t in d.items():
+                    bigger = torch.zeros(num_slots, t.shape[1], dtype=t.dtype, device=t.device)
+                    bigger[: self.num_slots] = t
+                    d[g] = bigger
+        extra = num_slots - self.num_slots
+        self._ranks += [dict.fromkeys(GROUP_NAMES, 0) for _ in range(extra)]
+        self._parts += [dict.fromkeys(GROUP_NAMES, ()) for _ in range(extra)]
+        self.num_slots = num_slots
+
     def clear(self, slot: int) -> None:
         self._check_slot(slot)
         self._zero(slot)

@@ -11,6 +11,12 @@ compute slots (`max_loras_per_batch` + `max_loras_prefetch`, LRU). Invariants (D
 - every residency decision is made here: disk reads start only in `prepare`, slots are
   filled only in `prepare` (prefetch) and `bind`; `is_ready` / `can_bind` are pure queries.
 Only the engine thread calls these methods; disk reads run on DiskLoader's workers.
+
+Unified mode (`unified=True`, the CPU default: one adapter memory): an adapter is packed into
+the kernel's layout once, when its weights reach host memory, and the unpacked copy is dropped;
+the slot pool grows to hold every host-resident adapter, so each of them can join any batch
+(no distinct-adapter cap, no slot eviction), and prefetch is disk -> packed host memory for the
+adapters the waiting queue needs, evicting only what no running or upcoming request needs.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import itertools
 import logging
 import os
 from collections.abc import Set
+from dataclasses import replace
 from typing import Protocol
 
 from loraserve.adapters.disk_loader import DiskLoader
@@ -44,19 +51,25 @@ class SlotPool(Protocol):
 
     def write(self, slot: int, weights: LoraAdapterWeights) -> None: ...
 
+    def grow(self, num_slots: int) -> None: ...
+
 
 class AdapterStore:
     def __init__(self, slot_pool: SlotPool, loader: DiskLoader, *, max_loras_per_batch: int,
                  max_loaded_loras: int | None, max_loras_prefetch: int = 0,
-                 reserved_names: frozenset[str] = frozenset()):
+                 reserved_names: frozenset[str] = frozenset(), unified: bool = False):
         self.slots = slot_pool
         self.loader = loader
         self.max_loras_per_batch = max_loras_per_batch
         self.max_loaded = max_loaded_loras
         self.max_prefetch = max_loras_prefetch
         self.reserved_names = reserved_names  # the base model's names: never an adapter's
+        self.unified = unified
+        # distinct adapters one batch may hold (None: any number, unified mode)
+        self.batch_cap: int | None = None if unified else max_loras_per_batch
         # how far down the waiting queue loads start: the adapters that can join soon
-        self.lookahead = max_loras_per_batch + max_loras_prefetch
+        self.lookahead = ((max_loaded_loras or 1 << 30) if unified
+                          else max_loras_per_batch + max_loras_prefetch)
         self.names: dict[str, int] = {}  # registered names only
         self.entries: dict[int, AdapterEntry] = {}  # registered + draining
         self._uids = itertools.count(1)
@@ -87,10 +100,12 @@ class AdapterStore:
                 "first to load a different path")
         # Also when pinning an adapter already loaded: too many pins starve every other one.
         newly_pinned = pinned and not (existing is not None and existing.pinned)
-        if newly_pinned and self.num_pinned + 1 > self.max_loras_per_batch - 1:
+        limit, knob = ((self.max_loaded, "max_loaded_loras") if self.unified
+                       else (self.max_loras_per_batch, "max_loras_per_batch"))
+        if newly_pinned and limit is not None and self.num_pinned + 1 > limit - 1:
             raise LoraServeError(
-                f"cannot pin {name!r}: at most max_loras_per_batch - 1 = "
-                f"{self.max_loras_per_batch - 1} adapters may be pinned")
+                f"cannot pin {name!r}: at most {knob} - 1 = {limit - 1} adapters may be "
+                "pinned")
         return existing is not None
 
     def register(self, name: str, path: str, weights: LoraAdapterWeights | None,
@@ -108,8 +123,9 @@ class AdapterStore:
                 f"cannot load {name!r} now: host memory holds max_loaded_loras="
                 f"{self.max_loaded} adapters that are all pinned or in use; retry shortly")
         entry = AdapterEntry(uid=next(self._uids), name=name, path=str(path),
-                             fingerprint=weights.fingerprint, pinned=pinned, weights=weights,
+                             fingerprint=weights.fingerprint, pinned=pinned,
                              last_used=next(self._tick))
+        self._settle(entry, weights)  # may refuse the weights (slot checks): nothing changed yet
         self.entries[entry.uid] = entry
         self.names[name] = entry.uid
         log.info("adapter %s loaded (uid %d, rank %d, %s)", name, entry.uid, weights.rank, path)
@@ -174,7 +190,7 @@ class AdapterStore:
                     and self._make_host_room(protected)):
                 self.loader.start(uid, e.path)
                 self.loads_started += 1
-        if self.max_prefetch:
+        if self.max_prefetch and not self.unified:
             self._prefetch_slots(window, protected)
         return failed
 
@@ -193,10 +209,27 @@ class AdapterStore:
                 failed[uid] = f"adapter {entry.name!r} failed to load: {entry.public_error(err)}"
                 log.warning("adapter %s failed to load: %s", entry.name, err)
                 continue
-            entry.weights, entry.last_error = weights, None
+            self._settle(entry, weights)
+            entry.last_error = None
             entry.stats.record_load(secs)
             log.info("adapter %s reloaded into host memory in %.3fs", entry.name, secs)
         return failed
+
+    def _settle(self, entry: AdapterEntry, weights: LoraAdapterWeights) -> None:
+        """Weights just reached host memory. Unified: pack them into a slot now and keep only
+        their description (the slot is the one copy). Tiered: keep them; a slot comes later."""
+        if not self.unified:
+            entry.weights = weights
+            return
+        owners = self.slot_owner
+        if None in owners:
+            slot = owners.index(None)
+        else:
+            slot = len(owners)
+            # double, within max_loaded_loras (host room was made before these weights came)
+            self.slots.grow(max(slot + 1, min(2 * len(owners), self.max_loaded or 1 << 30)))
+        self.slots.write(slot, weights)  # validates before it writes
+        entry.slot, entry.weights = slot, replace(weights, layers=())
 
     def _prefetch_slots(self, window: list[int], protected: set[int]) -> None:
         filled = 0
@@ -233,6 +266,8 @@ class AdapterStore:
         return entry is not None and entry.weights is not None
 
     def can_bind(self, uids: Set[int]) -> bool:
+        if self.unified:  # every host-resident adapter holds its slot already
+            return True
         holders = set(uids) | {e.uid for e in self.entries.values()
                                if e.pinned and e.slot is not None}
         return len(holders) <= self.slots.num_slots
@@ -300,7 +335,11 @@ class AdapterStore:
         return [self.entries[u] for u in self.names.values()]
 
     def snapshot(self) -> tuple[AdapterSnapshot, ...]:
-        return tuple(e.snapshot() for e in self.entries.values())
+        snaps = tuple(e.snapshot() for e in self.entries.values())
+        if self.unified:  # the slots are host memory: resident adapters are in the host tier
+            snaps = tuple(replace(sn, tier="host") if sn.tier == "device" else sn
+                          for sn in snaps)
+        return snaps
 
     def wait_for_loads(self, timeout: float) -> None:
         """Block up to `timeout` for a disk read to finish (when nothing else can run)."""

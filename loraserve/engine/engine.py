@@ -58,13 +58,17 @@ class LLMEngine:
         self.max_model_len = min(c.max_model_len or 10**9, mc.max_position_embeddings)
         num_blocks = c.kv_cache_tokens // c.block_size
         self.kv = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching)
-        self.slot_pool = LoraSlotPool(mc, c.num_lora_slots, c.max_lora_rank,
+        unified = c.lora_memory == "unified" or (c.lora_memory == "auto"
+                                                 and self.device.type == "cpu")
+        # unified: the pool grows as adapters arrive (store._settle), from a few slots
+        first = min(4, c.max_loaded_loras or 4) if unified else c.num_lora_slots
+        self.slot_pool = LoraSlotPool(mc, first, c.max_lora_rank,
                                       dtype=c.lora_torch_dtype, device=self.device)
         self.store = AdapterStore(self.slot_pool, DiskLoader(self.read_adapter),
                                   max_loras_per_batch=c.max_loras_per_batch,
                                   max_loaded_loras=c.max_loaded_loras,
                                   max_loras_prefetch=c.max_loras_prefetch,
-                                  reserved_names=frozenset({mc.name}))
+                                  reserved_names=frozenset({mc.name}), unified=unified)
         lora = create_lora_backend(self.slot_pool, c.lora_backend)
         default_attention = "cpu" if self.device.type == "cpu" else "triton"
         attention = create_attention_backend(c.attention_backend or default_attention,

@@ -2,7 +2,8 @@
 
 `try_add` runs the checks first (none has a side effect), then commits what they allowed:
     - sequence limit (max_num_seqs) and token budget (max_num_batched_tokens);
-    - the distinct-adapters cap (max_loras_per_batch, the base model counting as one), counting
+    - the distinct-adapters cap (the store's batch_cap: max_loras_per_batch, the base model
+      counting as one; none with one adapter memory on CPU), counting
       every request already in the batch: running ones, chunked prefills, this step's admits;
     - compute slots: the store must be able to bind the batch's adapters at once (pinned ones
       hold theirs); adapter weights must be in host memory (loads start in store.prepare);
@@ -33,6 +34,10 @@ from loraserve.request import Request
 
 class AdapterResidency(Protocol):
     """What admission asks of the adapter store (adapters/store.py). Pure queries."""
+
+    # distinct adapters one batch may hold, the base model counting as one (None: no cap,
+    # as with one adapter memory on CPU, where every host-resident adapter has its slot)
+    batch_cap: int | None
 
     def is_ready(self, uid: int) -> bool:
         """Its weights are in host memory: a slot can be filled from them this step."""
@@ -82,7 +87,8 @@ class Admission:
             return Decision.OVER_SHARE, 0
         uid = req.adapter_uid
         if uid not in self.batch_adapters:
-            if len(self.batch_adapters) + 1 > self.config.max_loras_per_batch:
+            cap = self.adapters.batch_cap
+            if cap is not None and len(self.batch_adapters) + 1 > cap:
                 return self._blocked(req), 0
             if uid is not None:
                 if not self.adapters.is_ready(uid):

@@ -23,6 +23,9 @@ from loraserve.types import FinishReason
 class _NoAdapters:
     """Residency of an engine that serves no adapter (scheduler tests)."""
 
+    def __init__(self, batch_cap: int | None = None):
+        self.batch_cap = batch_cap
+
     def is_ready(self, uid: int) -> bool:
         return False
 
@@ -36,7 +39,7 @@ class Scheduler:
                  max_model_len: int | None = None):
         self.config = config
         self.kv = kv
-        self.adapters: AdapterResidency = adapters or _NoAdapters()
+        self.adapters: AdapterResidency = adapters or _NoAdapters(config.max_loras_per_batch)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len or config.max_model_len or 10**9
         self.waiting: deque[Request] = deque()
