@@ -1,12 +1,16 @@
-"""Prefetch vs LRU-only at equal slot memory, driven by `loraserve bench` over HTTP.
+"""Adapter memory layouts and prefetch, driven by `loraserve bench` over HTTP.
 
-A: max_loras_per_batch=4, max_loras_prefetch=4 (8 slots, prefetch on)
-B: max_loras_per_batch=8                       (8 slots, LRU only)
-Both with max_loaded_loras below the adapter count, so host misses go to disk. Traffic:
-uniform, zipf 1.5 and bursty over 32 adapters. Each (config, traffic) pair gets a fresh
-server; runs alternate A, B so that machine noise hits both.
+Issue 13's comparison, at equal adapter bytes (16 adapter-sized memories), bursty traffic over
+32 adapters (the default `--configs`):
+T  = tiered: 8 compute slots + 8 host entries (max_loras_per_batch=8, max_loaded_loras=8)
+U  = one memory of 16 packed host entries, the waiting queue prefetching disk -> host
+U0 = the same memory without queue prefetch (only the next adapter is read)
+Issue 5's (tiered, equal slot memory, max_loaded_loras=12):
+A = 4 slots + 4 prefetch slots, B = 8 slots LRU only, C = B + 4 prefetch slots.
+Each (config, traffic) pair gets a fresh server; runs go in config order per traffic, and the
+table compares every config with the first.
 
-    .venv/bin/python benchmarks/prefetch.py [--num-requests 160] [--request-rate 3]
+    .venv/bin/python benchmarks/prefetch.py [--traffic bursty] [--configs T,U,U0]
 """
 
 from __future__ import annotations
@@ -26,10 +30,14 @@ from loraserve.bench.report import plot_cdfs  # noqa: E402
 from loraserve.model.bundled import default_model_dir  # noqa: E402
 
 CONFIGS = {
-    "A-prefetch": ["--max-loras-per-batch", "4", "--max-loras-prefetch", "4"],
-    "B-lru": ["--max-loras-per-batch", "8"],
-    # Not equal memory (12 slots): prefetch on top of B, to see what prefetch adds by itself.
-    "C-lru+prefetch": ["--max-loras-per-batch", "8", "--max-loras-prefetch", "4"],
+    "T": ["--lora-memory", "tiered", "--max-loras-per-batch", "8", "--max-loaded-loras", "8"],
+    "U": ["--lora-memory", "unified", "--max-loaded-loras", "16"],
+    "U0": ["--lora-memory", "unified", "--max-loaded-loras", "16", "--disable-unified-prefetch"],
+    "A": ["--lora-memory", "tiered", "--max-loaded-loras", "12", "--max-loras-per-batch", "4",
+          "--max-loras-prefetch", "4"],
+    "B": ["--lora-memory", "tiered", "--max-loaded-loras", "12", "--max-loras-per-batch", "8"],
+    "C": ["--lora-memory", "tiered", "--max-loaded-loras", "12", "--max-loras-per-batch", "8",
+          "--max-loras-prefetch", "4"],
 }
 TRAFFIC = {
     "uniform": ["--adapter-dist", "uniform"],
@@ -41,13 +49,12 @@ TRAFFIC = {
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-adapters", type=int, default=32)
-    ap.add_argument("--max-loaded-loras", type=int, default=12)
     ap.add_argument("--num-requests", type=int, default=160)
     ap.add_argument("--request-rate", type=float, default=3.0)
     ap.add_argument("--input-len", type=int, default=96)
     ap.add_argument("--output-len", type=int, default=24)
-    ap.add_argument("--traffic", default=",".join(TRAFFIC))
-    ap.add_argument("--configs", default="A-prefetch,B-lru", help=f"of {','.join(CONFIGS)}")
+    ap.add_argument("--traffic", default="bursty", help=f"of {','.join(TRAFFIC)}")
+    ap.add_argument("--configs", default="T,U,U0", help=f"of {','.join(CONFIGS)}")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="loraserve-prefetch-"))
     model_dir = default_model_dir()
@@ -55,15 +62,13 @@ def main() -> None:
                                     ranks=(8, 16, 32, 64))
     lora_args = ["--lora-paths", *[f"{p.name}={p}" for p in paths]]
     configs = {c: CONFIGS[c] for c in args.configs.split(",")}
-    tag = "prefetch" if list(configs) == ["A-prefetch", "B-lru"] else "prefetch-" + "-vs-".join(
-        c.split("-")[0] for c in configs)  # e.g. prefetch-C-vs-B
+    tag = "prefetch-" + "-".join(configs)  # e.g. prefetch-T-U-U0
     results: dict[str, dict] = {}
     for traffic in args.traffic.split(","):
         for label, cfg in configs.items():
             name = f"{label}/{traffic}"
             out = work / f"{label}-{traffic}.json"
-            server_args = ["--max-loaded-loras", str(args.max_loaded_loras), "--max-lora-rank",
-                           "64", *cfg, *lora_args]
+            server_args = ["--max-lora-rank", "64", *cfg, *lora_args]
             with Server(*server_args, log_path=work / f"{label}-{traffic}.log") as srv:
                 cmd = [sys.executable, "-m", "loraserve.cli", "bench", "--base-url", srv.url,
                        "--adapter-prefix", "lora", "--num-adapters", str(args.num_adapters),
@@ -80,14 +85,14 @@ def main() -> None:
                   f"errors {s['errors']}", flush=True)
     table = {}
     for traffic in args.traffic.split(","):
-        a, b = (results[f"{c}/{traffic}"]["summary"] for c in list(configs)[:2])
-        table[traffic] = {
-            "A_ttft_p50_ms": a["ttft_ms"]["p50"], "A_ttft_p99_ms": a["ttft_ms"]["p99"],
-            "B_ttft_p50_ms": b["ttft_ms"]["p50"], "B_ttft_p99_ms": b["ttft_ms"]["p99"],
-            "A_tok_s": a["output_throughput"], "B_tok_s": b["output_throughput"],
-            "p99_ttft_change": a["ttft_ms"]["p99"] / b["ttft_ms"]["p99"] - 1,
-            "throughput_change": a["output_throughput"] / b["output_throughput"] - 1,
-        }
+        runs = {c: results[f"{c}/{traffic}"]["summary"] for c in configs}
+        first = runs[next(iter(configs))]
+        table[traffic] = {c: {
+            "ttft_p50_ms": r["ttft_ms"]["p50"], "ttft_p99_ms": r["ttft_ms"]["p99"],
+            "tok_s": r["output_throughput"], "errors": r["errors"],
+            "p99_ttft_vs_first": r["ttft_ms"]["p99"] / first["ttft_ms"]["p99"] - 1,
+            "throughput_vs_first": r["output_throughput"] / first["output_throughput"] - 1,
+        } for c, r in runs.items()}
         plot_cdfs({k: v for k, v in results.items() if k.endswith("/" + traffic)},
                   RESULTS / f"{tag}-{traffic}.png")
     print(json.dumps(table, indent=2))

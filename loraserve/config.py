@@ -150,6 +150,10 @@ class EngineConfig:
                 "memory and read there by the kernel (max_loaded_loras bounds it); tiered: "
                 "host memory, then max_loras_per_batch compute slots filled per batch (for "
                 "GPUs); auto: unified on CPU, tiered elsewhere", ("auto", "unified", "tiered"))
+    unified_prefetch: bool = knob(
+        True, "with one adapter memory: read from disk, ahead of admission, every adapter the "
+              "waiting queue needs (within max_loaded_loras); off, only the next one",
+        off_flag="--disable-unified-prefetch")
     max_loras_prefetch: int = knob(
         0, "spare slots filled ahead of time from the waiting queue")
     lora_backend: str | None = knob(

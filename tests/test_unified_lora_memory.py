@@ -124,3 +124,22 @@ def test_a_failed_reload_changes_no_slot(tiny_model_dir, ads, tmp_path):
     assert all((t == u).all() for t, u in zip(before, llm.engine.slot_pool.A[0].values(),
                                                strict=True))
     assert gen(llm, [P2], ["b"]) == [ref(tiny_model_dir, ads["b"], P2, 6)]
+
+
+def test_without_queue_prefetch_only_the_next_adapter_is_read(tiny_model_dir, ads):
+    for prefetch, started in ((True, 2), (False, 1)):
+        llm = unified(tiny_model_dir, max_loaded_loras=3, max_num_seqs=1,
+                      unified_prefetch=prefetch)
+        for n in "xyabc":  # x and y go back to disk as a, b, c come in
+            llm.load_lora_adapter(n, ads[n])
+        eng = llm.engine
+        eng.store.loads_started = 0
+        running = eng.add_request(P1, greedy_params(6), "c")
+        eng.step()
+        queued = [eng.add_request(P2, greedy_params(2), n) for n in "xy"]
+        eng.step()
+        assert eng.store.loads_started == started
+        outs = run_until_done(eng)
+        assert outs[running.request_id].token_ids == ref(tiny_model_dir, ads["c"], P1, 6)
+        for n, r in zip("xy", queued, strict=True):
+            assert outs[r.request_id].token_ids == ref(tiny_model_dir, ads[n], P2, 2)

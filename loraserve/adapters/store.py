@@ -57,7 +57,8 @@ class SlotPool(Protocol):
 class AdapterStore:
     def __init__(self, slot_pool: SlotPool, loader: DiskLoader, *, max_loras_per_batch: int,
                  max_loaded_loras: int | None, max_loras_prefetch: int = 0,
-                 reserved_names: frozenset[str] = frozenset(), unified: bool = False):
+                 reserved_names: frozenset[str] = frozenset(), unified: bool = False,
+                 unified_prefetch: bool = True):
         self.slots = slot_pool
         self.loader = loader
         self.max_loras_per_batch = max_loras_per_batch
@@ -68,8 +69,10 @@ class AdapterStore:
         # distinct adapters one batch may hold (None: any number, unified mode)
         self.batch_cap: int | None = None if unified else max_loras_per_batch
         # how far down the waiting queue loads start: the adapters that can join soon
-        self.lookahead = ((max_loaded_loras or 1 << 30) if unified
-                          else max_loras_per_batch + max_loras_prefetch)
+        if unified:  # prefetch: all the queue needs that fits; without, the next one only
+            self.lookahead = (max_loaded_loras or 1 << 30) if unified_prefetch else 1
+        else:
+            self.lookahead = max_loras_per_batch + max_loras_prefetch
         self.names: dict[str, int] = {}  # registered names only
         self.entries: dict[int, AdapterEntry] = {}  # registered + draining
         self._uids = itertools.count(1)

@@ -68,7 +68,8 @@ class LLMEngine:
                                   max_loras_per_batch=c.max_loras_per_batch,
                                   max_loaded_loras=c.max_loaded_loras,
                                   max_loras_prefetch=c.max_loras_prefetch,
-                                  reserved_names=frozenset({mc.name}), unified=unified)
+                                  reserved_names=frozenset({mc.name}), unified=unified,
+                                  unified_prefetch=c.unified_prefetch)
         lora = create_lora_backend(self.slot_pool, c.lora_backend)
         default_attention = "cpu" if self.device.type == "cpu" else "triton"
         attention = create_attention_backend(c.attention_backend or default_attention,
