@@ -121,6 +121,7 @@ LORA_DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16"}
 # lora/backends/ (kept here so config needs no torch)
 LORA_BACKEND_NAMES = ("cpu", "torch", "triton")
 ATTENTION_BACKEND_NAMES = ("cpu", "triton")  # model/attention/
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def knob(default, help_text: str, choices=None, off_flag: str | None = None):
@@ -135,6 +136,11 @@ class EngineConfig:
     """The engine's knobs; names follow SGLang/vLLM. The only place their defaults live: the
     CLI's engine flags are generated from these fields (cli.py)."""
 
+    device: str | None = knob(
+        None, "cpu, cuda or cuda:N (default: cuda when torch sees a GPU, else cpu)")
+    dtype: str = knob(
+        "auto", "weights, activations and KV cache: auto = float32 on CPU, bfloat16 on a GPU; "
+                "bfloat16 and float16 need a GPU", MODEL_DTYPES)
     max_loras_per_batch: int = knob(
         8, "distinct adapters in one batch (the base model counts as one); also the number "
            "of LoRA slots in compute memory. Not binding with one adapter memory "
@@ -198,6 +204,8 @@ class EngineConfig:
                 and self.attention_backend not in ATTENTION_BACKEND_NAMES):
             raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKEND_NAMES)}"
                              f", got {self.attention_backend!r}")
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype must be one of {list(MODEL_DTYPES)}, got {self.dtype!r}")
         if self.lora_backend is not None and self.lora_backend not in LORA_BACKEND_NAMES:
             raise ValueError(f"lora_backend must be one of {list(LORA_BACKEND_NAMES)}, "
                              f"got {self.lora_backend!r}")
@@ -219,6 +227,7 @@ class EngineConfig:
 
     @property
     def lora_torch_dtype(self):
+        """The slot pool's dtype when lora_dtype is not auto (auto: the model's)."""
         import torch
 
         return getattr(torch, LORA_DTYPES[self.lora_dtype])

@@ -113,3 +113,19 @@ def test_generate_mistakes_are_one_line(tiny_model_dir, tmp_path):
                            (["--model", str(tiny_model_dir), "--lora", "nope"], "'nope'")]:
         r = run_cli("generate", "--prompt", "hi", "--max-tokens", "1", *argv, timeout=120)
         assert r.returncode == 2 and fragment in r.stderr and "Traceback" not in r.stderr
+
+
+def test_device_and_dtype_this_machine_cannot_run_are_refused(tiny_model_dir):
+    import torch
+
+    from loraserve import LLM
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device 'cuda': torch sees no CUDA GPU"):
+            LLM(str(tiny_model_dir), device="cuda")
+    with pytest.raises(ValueError, match="dtype bfloat16 needs a GPU"):
+        LLM(str(tiny_model_dir), device="cpu", dtype="bfloat16")
+    with pytest.raises(ValueError, match="loraserve runs on cpu or cuda"):
+        LLM(str(tiny_model_dir), device="meta")
+    llm = LLM(str(tiny_model_dir), device="cpu")
+    assert llm.engine.device.type == "cpu" and llm.engine.model.embed.dtype == torch.float32

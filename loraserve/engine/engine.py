@@ -44,15 +44,36 @@ from loraserve.types import (
 log = logging.getLogger("loraserve.engine")
 
 
+def resolve_device(device: str | torch.device | None, dtype: str) -> tuple[torch.device,
+                                                                         torch.dtype]:
+    """The engine's device and compute dtype; what this machine cannot run is refused here."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r}: {e}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: loraserve runs on cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: torch sees no CUDA GPU here")
+    if dtype == "auto":
+        dtype = "float32" if dev.type == "cpu" else "bfloat16"
+    if dev.type == "cpu" and dtype != "float32":
+        raise ValueError(f"dtype {dtype} needs a GPU: on CPU loraserve computes in float32 "
+                         "(faster there than bf16, and what its kernels take)")
+    return dev, getattr(torch, dtype)
+
+
 class LLMEngine:
     def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device | None = None):
         self.config = c = config or EngineConfig()
         if c.num_threads:
             torch.set_num_threads(c.num_threads)
-        self.device = torch.device(device)
+        self.device, self.dtype = resolve_device(device or c.device, c.dtype)
         self.model_path = resolve_model_path(model)
-        self.model = load_model(self.model_path)
+        self.model = load_model(self.model_path, self.dtype, self.device)
         self.model_config = mc = self.model.config
         self.tokenizer = Tokenizer(self.model_path)
         self.max_model_len = min(c.max_model_len or 10**9, mc.max_position_embeddings)
@@ -62,15 +83,17 @@ class LLMEngine:
                                                  and self.device.type == "cpu")
         # unified: the pool grows as adapters arrive (store._settle), from a few slots
         first = min(4, c.max_loaded_loras or 4) if unified else c.num_lora_slots
-        self.slot_pool = LoraSlotPool(mc, first, c.max_lora_rank,
-                                      dtype=c.lora_torch_dtype, device=self.device)
+        lora_dtype = self.dtype if c.lora_dtype == "auto" else c.lora_torch_dtype
+        self.slot_pool = LoraSlotPool(mc, first, c.max_lora_rank, dtype=lora_dtype,
+                                      device=self.device)
         self.store = AdapterStore(self.slot_pool, DiskLoader(self.read_adapter),
                                   max_loras_per_batch=c.max_loras_per_batch,
                                   max_loaded_loras=c.max_loaded_loras,
                                   max_loras_prefetch=c.max_loras_prefetch,
                                   reserved_names=frozenset({mc.name}), unified=unified,
                                   unified_prefetch=c.unified_prefetch)
-        lora = create_lora_backend(self.slot_pool, c.lora_backend)
+        lora = create_lora_backend(self.slot_pool, c.lora_backend
+                                   or (None if self.device.type == "cpu" else "triton"))
         default_attention = "cpu" if self.device.type == "cpu" else "triton"
         attention = create_attention_backend(c.attention_backend or default_attention,
                                              c.block_size, self.device)

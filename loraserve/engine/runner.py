@@ -33,7 +33,9 @@ class ModelRunner:
         self.block_size = config.block_size
         shape = (num_blocks * config.block_size, c.num_key_value_heads, c.head_dim)
         # One tensor per layer: writes through views of one big tensor are slow when compiled.
-        self.kv_caches = [(torch.zeros(shape, device=device), torch.zeros(shape, device=device))
+        dt = model.embed.dtype  # the KV cache holds what the model computes
+        self.kv_caches = [(torch.zeros(shape, device=device, dtype=dt),
+                           torch.zeros(shape, device=device, dtype=dt))
                           for _ in range(c.num_hidden_layers)]
         # Requests without a seed of their own sample from this one (reproducible per run).
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
@@ -97,7 +99,7 @@ class ModelRunner:
             if not samplers:
                 return StepOutput.empty()
             gens = [self.generator if r.generator is None else r.generator for r in samplers]
-            res = sample(logits, [r.params for r in samplers], gens,
+            res = sample(logits.float(), [r.params for r in samplers], gens,
                          [r.prompt_token_ids for r in samplers],
                          [r.output_token_ids for r in samplers], self.eos_token_ids)
         return StepOutput([r.request_id for r in samplers], res.token_ids, res.logprobs,

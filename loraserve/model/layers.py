@@ -15,13 +15,13 @@ class RotaryEmbedding:
     (model/rope.py: HF's default and scaled rope types)."""
 
     def __init__(self, inv_freq: torch.Tensor, max_positions: int, scaling: float = 1.0,
-                 dtype=torch.float32):
+                 dtype=torch.float32, device: str | torch.device = "cpu"):
         t = torch.arange(max_positions, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq.to(torch.float64))  # [P, hd/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, hd]
         # `scaling` (yarn's attention factor) scales q and k alike, as transformers does
-        self.cos = (emb.cos() * scaling).to(dtype)
-        self.sin = (emb.sin() * scaling).to(dtype)
+        self.cos = (emb.cos() * scaling).to(device=device, dtype=dtype)
+        self.sin = (emb.sin() * scaling).to(device=device, dtype=dtype)
         self.max_positions = max_positions
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,12 +1,14 @@
-"""Dense projections `y = x @ W.T` on the fastest float32 GEMM (loraserve/ops/gemm.py).
+"""Dense projections `y = x @ W.T` on the fastest GEMM the weight's device and dtype have.
 
-Weights are packed once at load time when oneDNN is there; the plain weight is not kept (no
-extra memory), `weight` unpacks a copy on demand.
+float32 on CPU (loraserve/ops/gemm.py): packed once at load time when oneDNN is there (the
+plain weight is not kept; `weight` unpacks a copy on demand), else MKL on the transposed
+weight. Anything else (a GPU, bf16/fp16): F.linear on the plain weight, cuBLAS's job.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from loraserve.ops.gemm import gemm_backend, onednn_linear, pack_weight
 
@@ -16,8 +18,13 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
-        self.backend = gemm_backend()
-        if self.backend == "onednn":
+        self.itemsize = weight.element_size()
+        on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
+        self.backend = gemm_backend() if on_cpu else "plain"
+        self._plain = None if on_cpu else weight.detach().contiguous()
+        if not on_cpu:
+            self._packed = self._weight_t = None
+        elif self.backend == "onednn":
             self._packed = pack_weight(weight)
             self._weight_t = None
         else:
@@ -28,6 +35,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, d_in] -> [T, d_out]
         if self._packed is not None:
             return onednn_linear(x, self._packed)
+        if self._plain is not None:
+            return F.linear(x, self._plain)
         return torch.mm(x, self._weight_t)
 
     @property
@@ -35,11 +44,13 @@ class Linear:
         """The `[d_out, d_in]` weight as a plain tensor (a copy when packed)."""
         if self._packed is not None:
             return self._packed.to_dense()
+        if self._plain is not None:
+            return self._plain
         return self._weight_t.t()
 
     @property
     def nbytes(self) -> int:
-        return self.out_features * self.in_features * 4
+        return self.out_features * self.in_features * self.itemsize
 
 
 class BiasedLinear(Linear):
@@ -59,4 +70,4 @@ class BiasedLinear(Linear):
 
     @property
     def nbytes(self) -> int:
-        return super().nbytes + self.out_features * 4
+        return super().nbytes + self.out_features * self.itemsize

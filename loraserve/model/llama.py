@@ -58,8 +58,10 @@ class LlamaModel:
         self.kv_size = c.num_key_value_heads * c.head_dim
         self.inter = c.intermediate_size
         self.scale = c.head_dim**-0.5
+        # tables in the model's dtype and on its device, as embed is
         self.rope = RotaryEmbedding(inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
-                                    c.max_position_embeddings, c.rope_scaling.attention_factor)
+                                    c.max_position_embeddings, c.rope_scaling.attention_factor,
+                                    dtype=embed.dtype, device=embed.device)
 
     # --- forward -------------------------------------------------------------------------------
     def forward(

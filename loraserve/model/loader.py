@@ -25,19 +25,21 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+def read_state_dict(path: Path, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for f in _weight_files(path):
         with safe_open(str(f), framework="pt") as st:
             for key in st.keys():
-                tensors[key] = st.get_tensor(key).to(torch.float32)
+                tensors[key] = st.get_tensor(key).to(device=device, dtype=dtype)
     return tensors
 
 
-def load_model(path: str | Path) -> LlamaModel:
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> LlamaModel:
     path = Path(path)
     config = read_model_config(path)  # refuses what we do not compute exactly, before reading
-    sd = read_state_dict(path)
+    sd = read_state_dict(path, dtype, device)
 
     def take(name: str) -> torch.Tensor:
         try:
