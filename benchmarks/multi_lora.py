@@ -63,7 +63,8 @@ def main() -> None:
     names = [p.name for p in paths]
     llm = LLM(model_dir, lora_paths={p.name: str(p) for p in paths},
               max_loras_per_batch=args.num_adapters, max_lora_rank=64,
-              lora_dtype=args.lora_dtype)
+              lora_dtype=args.lora_dtype,
+              enable_prefix_caching=False)  # runs repeat the prompts; PEFT caches nothing
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     peft = PeftModel.from_pretrained(base, str(paths[0]), adapter_name=names[0])
     for p in paths[1:]:

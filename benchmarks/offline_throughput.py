@@ -58,7 +58,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     model_dir = default_model_dir()
-    llm = LLM(model_dir)
+    # No prefix cache: the reps repeat the same prompts, and transformers caches nothing.
+    llm = LLM(model_dir, enable_prefix_caching=False)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     cfg = llm.engine.model_config
     prompts = random_prompts(args.num_prompts, args.input_len, cfg.vocab_size)
