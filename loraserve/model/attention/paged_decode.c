@@ -31,6 +31,41 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+/* One (sequence, kv head) work item: its G query heads over the L context tokens. Inlined with
+ * a constant HD for the common head sizes, so the loops over d unroll and each head's
+ * accumulator stays in registers; head by head (g outer), K and V rows come from L1/L2. */
+static inline __attribute__((always_inline)) void attend(
+        const float *qh, float *o, const float *kbase, const float *vbase, const int64_t *table,
+        int64_t L, int64_t G, const int64_t HD, int64_t tok_stride, int64_t block_size,
+        float scale, float *p) {
+    for (int64_t g = 0; g < G; g++) {
+        const float *qg = qh + g * HD;
+        float mx = -INFINITY, sum = 0.f;
+        for (int64_t t0 = 0; t0 < L; t0 += block_size) { /* scores, block by block */
+            const int64_t nt = L - t0 < block_size ? L - t0 : block_size;
+            const float *k = kbase + table[t0 / block_size] * block_size * tok_stride;
+            for (int64_t t = 0; t < nt; t++, k += tok_stride) {
+                const float s = dot(qg, k, HD) * scale;
+                p[t0 + t] = s;
+                mx = s > mx ? s : mx;
+            }
+        }
+        for (int64_t t = 0; t < L; t++) sum += (p[t] = expf(p[t] - mx)); /* unnormalised */
+        float acc[HD];
+        for (int64_t d = 0; d < HD; d++) acc[d] = 0.f;
+        for (int64_t t0 = 0; t0 < L; t0 += block_size) { /* weighted sum of V */
+            const int64_t nt = L - t0 < block_size ? L - t0 : block_size;
+            const float *v = vbase + table[t0 / block_size] * block_size * tok_stride;
+            for (int64_t t = 0; t < nt; t++, v += tok_stride) {
+                const float w = p[t0 + t];
+                for (int64_t d = 0; d < HD; d++) acc[d] += w * v[d];
+            }
+        }
+        const float inv = 1.f / sum;
+        for (int64_t d = 0; d < HD; d++) o[g * HD + d] = acc[d] * inv;
+    }
+}
+
 int paged_decode_attention(const float *q, int64_t q_stride, const int64_t *rows, float *out,
                            int64_t out_stride, const float *k_cache, const float *v_cache,
                            const int64_t *tables, int64_t table_stride, const int64_t *lens,
@@ -44,7 +79,7 @@ int paged_decode_attention(const float *q, int64_t q_stride, const int64_t *rows
     const int parallel = n * kvh * max_len * hd >= (1 << 17);
 #pragma omp parallel num_threads(nthreads) if (parallel)
     {
-        float *p = malloc(sizeof(float) * (size_t)(G * max_len + G * hd + 2 * G));
+        float *p = malloc(sizeof(float) * (size_t)max_len); /* one head's scores */
         if (!p) {
 #pragma omp atomic write
             failed = 1;
@@ -52,42 +87,17 @@ int paged_decode_attention(const float *q, int64_t q_stride, const int64_t *rows
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < n * kvh; w++) {
             if (!p) continue;
-            const int64_t i = w / kvh, h = w % kvh, L = lens[i];
-            const int64_t *table = tables + i * table_stride;
+            const int64_t i = w / kvh, h = w % kvh;
             const float *qh = q + rows[i] * q_stride + h * G * hd; /* its G query heads */
-            float *acc = p + G * max_len, *mx = acc + G * hd, *sum = mx + G;
-            for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
-            for (int64_t t0 = 0; t0 < L; t0 += block_size) { /* scores, block by block */
-                const int64_t nt = L - t0 < block_size ? L - t0 : block_size;
-                const float *k = k_cache + (table[t0 / block_size] * block_size * kvh + h) * hd;
-                for (int64_t t = 0; t < nt; t++, k += tok_stride)
-                    for (int64_t g = 0; g < G; g++) {
-                        float s = dot(qh + g * hd, k, hd) * scale;
-                        p[g * max_len + t0 + t] = s;
-                        mx[g] = s > mx[g] ? s : mx[g];
-                    }
-            }
-            for (int64_t g = 0; g < G; g++) { /* softmax weights, unnormalised */
-                float *pg = p + g * max_len, s = 0.f;
-                for (int64_t t = 0; t < L; t++) s += (pg[t] = expf(pg[t] - mx[g]));
-                sum[g] = s;
-            }
-            memset(acc, 0, sizeof(float) * (size_t)(G * hd));
-            for (int64_t t0 = 0; t0 < L; t0 += block_size) { /* weighted sum of V */
-                const int64_t nt = L - t0 < block_size ? L - t0 : block_size;
-                const float *v = v_cache + (table[t0 / block_size] * block_size * kvh + h) * hd;
-                for (int64_t t = 0; t < nt; t++, v += tok_stride)
-                    for (int64_t g = 0; g < G; g++) {
-                        const float w8 = p[g * max_len + t0 + t];
-                        float *a = acc + g * hd;
-                        for (int64_t d = 0; d < hd; d++) a[d] += w8 * v[d];
-                    }
-            }
-            for (int64_t g = 0; g < G; g++) {
-                float *o = out + rows[i] * out_stride + (h * G + g) * hd;
-                const float inv = 1.f / sum[g];
-                for (int64_t d = 0; d < hd; d++) o[d] = acc[g * hd + d] * inv;
-            }
+            float *o = out + rows[i] * out_stride + h * G * hd;
+            const float *kb = k_cache + h * hd, *vb = v_cache + h * hd;
+            const int64_t *table = tables + i * table_stride;
+            if (hd == 64)
+                attend(qh, o, kb, vb, table, lens[i], G, 64, tok_stride, block_size, scale, p);
+            else if (hd == 128)
+                attend(qh, o, kb, vb, table, lens[i], G, 128, tok_stride, block_size, scale, p);
+            else
+                attend(qh, o, kb, vb, table, lens[i], G, hd, tok_stride, block_size, scale, p);
         }
         free(p);
     }
