@@ -22,8 +22,21 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32))); /* the last 8 columns of an A tile */
+/* 16 floats: one zmm register with AVX-512. Without it, gcc expands 64-byte vector
+ * arithmetic piecewise (-Wvector-operation-performance) and the kernel ran 8x slower; there a
+ * v16 is two 8-float halves, each one ymm register. */
+#ifdef __AVX512F__
+typedef float v16 __attribute__((vector_size(64)));
+static inline v16 bcast(float x) { return (v16){0} + x; }
+static inline v16 madd(v16 a, v16 b, v16 c) { return c + a * b; }
+#else
+typedef struct { v8 lo, hi; } v16;
+static inline v16 bcast(float x) { v8 h = (v8){0} + x; return (v16){h, h}; }
+static inline v16 madd(v16 a, v16 b, v16 c) {
+    return (v16){c.lo + a.lo * b.lo, c.hi + a.hi * b.hi};
+}
+#endif
 
 static inline v16 ld(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 static inline void st(float *p, v16 v) { memcpy(p, &v, sizeof v); }
@@ -83,11 +96,11 @@ static int64_t pad8(int64_t r) { return (r + 7) / 8 * 8; } /* layout.padded_rank
  * and H are constants in every instantiation (always_inline): the guarded lines compile away.
  * (Ranks are padded to 8, not 16: rank-8 modules, the most common, read no padding.) */
 #define ACC(k) v16 c##k##0 = {0}, c##k##1 = {0}, c##k##2 = {0}, c##k##3 = {0}; v8 h##k = {0}
-#define FMAT(k) do { if (NT > k) { float xs_ = x##k[i]; v16 xb = (v16){0} + xs_;       \
-    if (NV > 0) c##k##0 += xb * b0;                                                    \
-    if (NV > 1) c##k##1 += xb * b1;                                                    \
-    if (NV > 2) c##k##2 += xb * b2;                                                    \
-    if (NV > 3) c##k##3 += xb * b3;                                                    \
+#define FMAT(k) do { if (NT > k) { float xs_ = x##k[i]; v16 xb = bcast(xs_);          \
+    if (NV > 0) c##k##0 = madd(xb, b0, c##k##0);                                       \
+    if (NV > 1) c##k##1 = madd(xb, b1, c##k##1);                                       \
+    if (NV > 2) c##k##2 = madd(xb, b2, c##k##2);                                       \
+    if (NV > 3) c##k##3 = madd(xb, b3, c##k##3);                                       \
     if (H) h##k += ((v8){0} + xs_) * bh; } } while (0)
 #define STT(k) do { if (NT > k) { float *o = t + (k) * ldt;                          \
     if (NV > 0) st(o, c##k##0);                                                        \
@@ -161,8 +174,9 @@ static void shrink_tokens(const float *x, int64_t ldx, const wt *at, int64_t d_i
 #define YLD(k) v16 y##k##0 = {0}, y##k##1 = {0}, y##k##2 = {0}, y##k##3 = {0};             \
     if (NT > k) { const float *p = y + (k) * ldy; y##k##0 = ld(p); y##k##1 = ld(p + 16);   \
                   y##k##2 = ld(p + 32); y##k##3 = ld(p + 48); }
-#define YFMA(k) do { if (NT > k) { v16 s = (v16){0} + t[(k) * ldt + j];                   \
-    y##k##0 += s * b0; y##k##1 += s * b1; y##k##2 += s * b2; y##k##3 += s * b3; } } while (0)
+#define YFMA(k) do { if (NT > k) { v16 s = bcast(t[(k) * ldt + j]);                       \
+    y##k##0 = madd(s, b0, y##k##0); y##k##1 = madd(s, b1, y##k##1);                        \
+    y##k##2 = madd(s, b2, y##k##2); y##k##3 = madd(s, b3, y##k##3); } } while (0)
 #define YST(k) do { if (NT > k) { float *p = y + (k) * ldy; st(p, y##k##0);               \
     st(p + 16, y##k##1); st(p + 32, y##k##2); st(p + 48, y##k##3); } } while (0)
 
