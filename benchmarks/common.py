@@ -29,25 +29,24 @@ def gemm_gflops(n: int = 2048, reps: int = 5, backend: str = "mkl") -> float:
 
         def gemm():
             return a @ b
-    gemm()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        gemm()
-        times.append(time.perf_counter() - t)
-    return 2 * n**3 / statistics.median(times) / 1e9
+    return 2 * n**3 / median_time(gemm, reps) / 1e9
 
 
 def mem_read_gbs(mb: int = 512, reps: int = 5) -> float:
     """Memory read bandwidth measured now (sum over a buffer larger than the caches)."""
     x = torch.ones(mb * 1024 * 1024 // 4)
-    x.sum()
+    return x.numel() * 4 / median_time(x.sum, reps) / 1e9
+
+
+def median_time(fn, reps: int) -> float:
+    """Median seconds of `reps` calls of `fn`, after one warm-up call."""
+    fn()
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        x.sum()
+        fn()
         times.append(time.perf_counter() - t)
-    return x.numel() * 4 / statistics.median(times) / 1e9
+    return statistics.median(times)
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -8,25 +8,18 @@ shape of SmolLM2-135M at 1, 64 and 2048 rows: which GEMM backend to use on this 
 
 from __future__ import annotations
 
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
-from loraserve.ops.gemm import onednn_linear, pack_weight
+sys.path.insert(0, str(Path(__file__).parent))
+from common import median_time  # noqa: E402
+
+from loraserve.ops.gemm import onednn_linear, pack_weight  # noqa: E402
 
 SHAPES = [(576, 960), (576, 3072), (1536, 576), (576, 49152)]  # (d_in, d_out): qkv, gate_up,
 # down, lm_head
-
-
-def median_time(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main() -> None:
