@@ -28,15 +28,18 @@ def load() -> ctypes.CDLL | None:
                 lib.paged_decode_attention.restype = ctypes.c_int
                 lib.paged_decode_attention.argtypes = [
                     ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr,
-                    i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+                    i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float,
+                    ctypes.c_int]
             _lib.append(lib)
         return _lib[0]
 
 
 def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                 lens: torch.Tensor, block_size: int, scale: float) -> None:
-    """out[rows[i]] = attention of q[rows[i]] over its context (see paged_decode.c).
+                 lens: torch.Tensor, block_size: int, scale: float, window: int = 0,
+                 softcap: float = 0.0) -> None:
+    """out[rows[i]] = attention of q[rows[i]] over its context (see paged_decode.c): the
+    last `window` tokens of it when window > 0, scores capped by softcap when > 0.
 
     q, out: [T, nh, hd] float32, unit strides within a row; k_cache, v_cache: [S, kvh, hd]
     contiguous; rows, lens: int64 [n]; tables: int64 [n, nb] contiguous."""
@@ -52,7 +55,7 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, out: torch.Tensor, rows: tor
     rc = lib.paged_decode_attention(
         q.data_ptr(), q.stride(0), rows.data_ptr(), out.data_ptr(), out.stride(0),
         k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-        lens.data_ptr(), rows.shape[0], nh, kvh, hd, block_size, scale,
+        lens.data_ptr(), rows.shape[0], nh, kvh, hd, block_size, scale, window, softcap,
         torch.get_num_threads())
     if rc != 0:
         raise MemoryError("the paged attention kernel could not allocate its scratch")
