@@ -6,6 +6,12 @@ turns the step's sequences into whatever index tensors it needs (`prepare`, once
 reused by every layer), then per layer writes the new tokens' K/V into their slots and
 attends: each new token sees its sequence's context (cached tokens and earlier new tokens of
 the same sequence, causally) and nothing of any other sequence.
+
+Two per-layer values change what is seen and how (transformers' semantics, exactly): with
+`window` > 0 the token at position p sees only positions > p - window (sliding-window layers
+of Mistral, Qwen2/3, Gemma 2/3); with `softcap` > 0 each scaled score s becomes softcap *
+tanh(s / softcap) before the softmax (Gemma 2). The KV of every position is kept either way,
+so a cached prefix stays valid.
 """
 
 from __future__ import annotations
@@ -45,5 +51,7 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: Any,
         scale: float,
+        window: int = 0,  # 0: all of the context
+        softcap: float = 0.0,  # 0: scores uncapped
     ) -> torch.Tensor:  # [T, nh, hd]
         """Store k/v in the new tokens' slots, then attend as the module docstring says."""

@@ -5,13 +5,17 @@ Decodes (one new token each) read their context where it lies in the KV blocks
 with cached context gathers that context a whole block at a time (rows of block_size *
 kv_heads * hd floats: 2.5x faster than token rows) for SDPA. Without a C compiler, or with
 LORASERVE_PAGED_DECODE=0, decodes take the gather + SDPA path too.
+
+A sliding window is a mask (built once per step and window, shared by the layers that have
+it); soft-capped scores (Gemma 2) cannot go through SDPA, so those layers compute the same
+softmax explicitly, as transformers' eager attention does.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +33,7 @@ class PrefillSeq:
     end: int
     ctx_blocks: torch.Tensor | None  # [nb] blocks holding its whole context; None: no prior one
     ctx_len: int
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> [q, ctx] mask
 
 
 @dataclass
@@ -37,8 +42,9 @@ class CpuAttentionMetadata:
     prefills: list[PrefillSeq]
     decode_rows: torch.Tensor | None = None  # [Bd] row in the flat batch of each decode
     decode_blocks: torch.Tensor | None = None  # [Bd, nb] block tables of their context
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, nb * block_size] True on context
-    decode_lens: torch.Tensor | None = None  # [Bd] context lengths (the paged kernel's)
+    decode_lens: torch.Tensor | None = None  # [Bd] context lengths
+    # window -> [Bd, 1, 1, nb * block_size], True on what each decode sees (gather path)
+    decode_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     decode_contiguous: bool = False  # decode rows are exactly 0..Bd-1 (no gather/scatter)
 
 
@@ -77,17 +83,12 @@ class CpuAttention(AttentionBackend):
             [s.block_table[:max_blocks] + [0] * (max_blocks - min(len(s.block_table), max_blocks))
              for s in decodes], device=dev)
         rows = [s.start for s in decodes]
-        if self.kernel is not None:
-            meta.decode_lens = torch.tensor(lens, device=dev)
-        else:
-            lmax = max_blocks * bs
-            lens_t = torch.tensor(lens, device=dev).unsqueeze(1)
-            mask = torch.arange(lmax, device=dev).unsqueeze(0) < lens_t
-            meta.decode_mask = mask.view(len(decodes), 1, 1, lmax)
+        meta.decode_lens = torch.tensor(lens, device=dev)
         meta.decode_rows = torch.tensor(rows, device=dev)
         meta.decode_contiguous = rows == list(range(len(rows)))
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: CpuAttentionMetadata, scale: float):
+    def forward(self, q, k, v, k_cache, v_cache, meta: CpuAttentionMetadata, scale: float,
+                window: int = 0, softcap: float = 0.0):
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
@@ -98,32 +99,55 @@ class CpuAttention(AttentionBackend):
                 # Fresh prompt: attend to this step's own K/V, no cache gather.
                 ks = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
                 vs = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                                   enable_gqa=gqa)
             else:
                 bs = self.block_size
                 ks = _gather(k_cache, p.ctx_blocks, bs)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
                 vs = _gather(v_cache, p.ctx_blocks, bs)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
-                mask = _causal_mask(p.end - p.start, p.ctx_len, q.device)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
+            if p.ctx_blocks is None and not window and not softcap:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                    enable_gqa=gqa)
+            else:
+                mask = p.masks.get(window)
+                if mask is None:
+                    mask = p.masks[window] = _causal_mask(p.end - p.start, p.ctx_len, window,
+                                                          q.device)
+                o = _attend(qs, ks, vs, mask, scale, softcap, gqa)
             out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
-        if meta.decode_lens is not None:
+        if meta.decode_blocks is None:
+            return out
+        if self.kernel is not None:
             paged_decode(self.kernel, q, out, meta.decode_rows, k_cache, v_cache,
-                         meta.decode_blocks, meta.decode_lens, self.block_size, scale)
-        elif meta.decode_blocks is not None:
-            rows = meta.decode_rows
-            only_decodes = meta.decode_contiguous and not meta.prefills
-            qd = (q if only_decodes else q[rows]).unsqueeze(2)  # [Bd, nh, 1, hd]
-            kd = _gather(k_cache, meta.decode_blocks, self.block_size).transpose(1, 2)
-            vd = _gather(v_cache, meta.decode_blocks, self.block_size).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
-                                               scale=scale, enable_gqa=gqa)
-            o = o.squeeze(2)  # [Bd, nh, hd]
-            if only_decodes:
-                return o
-            out[rows] = o
+                         meta.decode_blocks, meta.decode_lens, self.block_size, scale,
+                         window, softcap)
+            return out
+        rows = meta.decode_rows
+        only_decodes = meta.decode_contiguous and not meta.prefills
+        qd = (q if only_decodes else q[rows]).unsqueeze(2)  # [Bd, nh, 1, hd]
+        kd = _gather(k_cache, meta.decode_blocks, self.block_size).transpose(1, 2)
+        vd = _gather(v_cache, meta.decode_blocks, self.block_size).transpose(1, 2)
+        mask = meta.decode_masks.get(window)
+        if mask is None:
+            mask = meta.decode_masks[window] = _decode_mask(meta.decode_lens, kd.shape[2],
+                                                            window)
+        o = _attend(qd, kd, vd, mask, scale, softcap, gqa).squeeze(2)  # [Bd, nh, hd]
+        if only_decodes:
+            return o
+        out[rows] = o
         return out
+
+
+def _attend(q, k, v, mask, scale: float, softcap: float, gqa: bool) -> torch.Tensor:
+    # q: [B, nh, q, hd]; k, v: [B, kvh, L, hd]; mask: broadcast to [B, nh, q, L], True = seen
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=gqa)
+    if gqa:  # query head h reads kv head h // (nh / kvh), as repeat_kv does
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -133,7 +157,20 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch
     return rows.view(*blocks.shape[:-1], blocks.shape[-1] * block_size, *cache.shape[1:])
 
 
-def _causal_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor:
-    # Query i sits at context position ctx_len - q_len + i and sees positions <= it.
+def _causal_mask(q_len: int, ctx_len: int, window: int, device) -> torch.Tensor:
+    # Query i sits at context position ctx_len - q_len + i and sees positions <= it (and,
+    # with a window, > it - window).
     q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device).unsqueeze(1)
-    return torch.arange(ctx_len, device=device).unsqueeze(0) <= q_pos  # [q, ctx]
+    kv_pos = torch.arange(ctx_len, device=device).unsqueeze(0)
+    mask = kv_pos <= q_pos  # [q, ctx]
+    return mask & (kv_pos > q_pos - window) if window else mask
+
+
+def _decode_mask(lens: torch.Tensor, width: int, window: int) -> torch.Tensor:
+    # [Bd, 1, 1, width]: a decode at position len - 1 sees positions < len (and >= len - window)
+    kv_pos = torch.arange(width, device=lens.device).unsqueeze(0)
+    lens = lens.unsqueeze(1)
+    mask = kv_pos < lens
+    if window:
+        mask &= kv_pos >= lens - window
+    return mask.view(lens.shape[0], 1, 1, width)

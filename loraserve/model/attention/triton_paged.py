@@ -5,7 +5,9 @@ The step's new K/V are written into their cache slots first; then every new toke
 its sequence's context straight from the blocks (no gathered copy), causally. A program takes
 up to BLOCK_M consecutive new tokens of one sequence and one query head, walks the context in
 BLOCK_N-token tiles through the block table (online softmax, float32), and writes its rows.
-Query head h reads kv head h // (nh / kvh), as transformers' repeat_kv.
+Query head h reads kv head h // (nh / kvh), as transformers' repeat_kv. A sliding window
+masks what lies at or before pos - window (and the walk starts at the first tile it reaches);
+softcap caps the scaled scores with tanh before the online softmax.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def _kernels():
     def paged_attention_kernel(
             q_ptr, q_row, q_head, k_ptr, v_ptr, kv_slot, o_ptr, o_row, o_head,
             tiles_ptr,  # int64 [n, 4]: sequence, first row, rows, position of the first row
-            tables_ptr, table_stride, scale, block_size, group, hd,
+            tables_ptr, table_stride, scale, block_size, group, hd, window, softcap,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HD: tl.constexpr):
         i = tl.program_id(0)
         h = tl.program_id(1)
@@ -49,7 +51,10 @@ def _kernels():
         total = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, HD), dtype=tl.float32)
         end = pos0 + nrows  # context tokens any row of this tile can see
-        for n0 in range(0, end, BLOCK_N):
+        start = 0
+        if window > 0:  # nothing before the first row's window is seen by any row
+            start = tl.maximum(pos0 - window + 1, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             n_ok = n < end
             block = tl.load(tables_ptr + seq * table_stride + n // block_size, mask=n_ok,
@@ -59,10 +64,19 @@ def _kernels():
             k = tl.load(k_ptr + kv, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             v = tl.load(v_ptr + kv, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             s = tl.dot(q, tl.trans(k.to(tl.float32))) * scale  # [BLOCK_M, BLOCK_N]
-            s = tl.where(n[None, :] <= pos[:, None], s, float("-inf"))
+            if softcap > 0:  # softcap * tanh(s / softcap), tanh through exp (no tl.tanh)
+                e = tl.exp(-2.0 * tl.abs(s / softcap))
+                t = (1.0 - e) / (1.0 + e)
+                s = softcap * tl.where(s < 0, -t, t)
+            seen = n[None, :] <= pos[:, None]
+            if window > 0:
+                seen = seen & (n[None, :] > pos[:, None] - window)
+            s = tl.where(seen, s, float("-inf"))
             new_best = tl.maximum(best, tl.max(s, axis=1))
-            p = tl.exp(s - new_best[:, None])
-            fix = tl.exp(best - new_best)
+            # a row that has seen nothing yet (its window starts later) keeps exp(-inf) = 0
+            safe = tl.where(new_best == float("-inf"), 0.0, new_best)
+            p = tl.exp(s - safe[:, None])
+            fix = tl.exp(best - safe)
             total = total * fix + tl.sum(p, axis=1)
             acc = acc * fix[:, None] + tl.dot(p, v.to(tl.float32))
             best = new_best
@@ -104,7 +118,8 @@ class TritonAttention(AttentionBackend):
                                        torch.tensor(tiles, dtype=torch.int64, device=dev),
                                        torch.tensor(tables, dtype=torch.int64, device=dev))
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TritonAttentionMetadata, scale: float):
+    def forward(self, q, k, v, k_cache, v_cache, meta: TritonAttentionMetadata, scale: float,
+                window: int = 0, softcap: float = 0.0):
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -115,6 +130,7 @@ class TritonAttention(AttentionBackend):
         self.kernel[grid](q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0),
                           out, out.stride(0), out.stride(1), meta.tiles, meta.tables,
                           meta.tables.stride(0), scale, self.block_size,
-                          nh // k_cache.shape[1], hd, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                          nh // k_cache.shape[1], hd, window, float(softcap),
+                          BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                           HD=max(16, self.next_pow2(hd)))
         return out
