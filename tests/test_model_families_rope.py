@@ -23,6 +23,13 @@ CASES = {
     "yarn-mscale": {**YARN, "mscale": 0.707, "mscale_all_dim": 1.0},
     "yarn-attention-factor": {**YARN, "attention_factor": 1.3},
     "yarn-factor-below-one": {**YARN, "factor": 1.0},
+    # Phi-3: short factors (filled in per head size below); attention factor from the
+    # context ratio (512 / 64), or from `factor`, or given
+    "longrope": dict(rope_type="longrope", original_max_position_embeddings=64),
+    "longrope-factor": dict(rope_type="longrope", original_max_position_embeddings=64,
+                            factor=4.0),
+    "longrope-attention-factor": dict(rope_type="longrope", attention_factor=1.1,
+                                      original_max_position_embeddings=64),
 }
 
 
@@ -34,6 +41,9 @@ def test_rope_equals_transformers(case, head_dim):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     params = {**CASES[case], "rope_theta": 500000.0 if head_dim == 128 else 10000.0}
+    if params["rope_type"] == "longrope":
+        params["short_factor"] = [1.0 + 0.1 * i for i in range(head_dim // 2)]
+        params["long_factor"] = [8.0] * (head_dim // 2)
     hf = AutoConfig.for_model("llama", hidden_size=4 * head_dim, num_attention_heads=4,
                               head_dim=head_dim, max_position_embeddings=512,
                               rope_parameters=params)

@@ -2,7 +2,12 @@
 
 Everything is validated before a `LoraAdapterWeights` is returned, so a caller never holds a
 half-read adapter. Target and pattern matching mirror peft 0.21
-(`check_target_module_exists`, `get_pattern_key`) on Llama-family module names.
+(`check_target_module_exists`, `get_pattern_key`) on Llama-family module names, and on
+Phi-3's fused ones (`qkv_proj`, `gate_up_proj`) for a model whose checkpoint fuses them.
+
+A LoRA on a fused module is one delta on the whole fused output (B: [q + 2kv, r]); it is
+handed on as the modules it fuses, each with the same A and its rows of B: exactly the same
+delta, in the layout every LoRA backend already takes.
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ _UNSUPPORTED_FLAGS = {
 }
 # '...q_proj.lora_A.weight' or, with an adapter name, '...q_proj.lora_A.default.weight'.
 _LORA_KEY_RE = re.compile(r"^(?P<mod>.+)\.(?P<kind>lora_A|lora_B)(?:\.[^.]+)?\.(?P<param>\w+)$")
+# fused PEFT module -> the modules it stacks on d_out, in order
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                 "gate_up_proj": ("gate_proj", "up_proj")}
+_KNOWN_MODULES = LORA_MODULES + tuple(FUSED_MODULES)
 _LAYER_MOD_RE = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<name>\w+)$"
 )
@@ -65,7 +74,14 @@ def _fail(path: object, problem: str) -> AdapterFormatError:
 
 
 def _parent(module: str) -> str:
-    return "self_attn" if module in ATTN_MODULES else "mlp"
+    return "self_attn" if module in ATTN_MODULES or module == "qkv_proj" else "mlp"
+
+
+def peft_modules(mc: ModelConfig) -> tuple[str, ...]:
+    """The LoRA-targetable linears of one layer, as the checkpoint (and PEFT) names them."""
+    if mc.fused_modules:
+        return ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    return LORA_MODULES
 
 
 def _full_name(layer: int, module: str) -> str:
@@ -175,7 +191,7 @@ def _model_module_names(mc: ModelConfig) -> list[str]:
         pre = f"model.layers.{i}"
         names += [pre, f"{pre}.self_attn", f"{pre}.mlp", f"{pre}.mlp.act_fn"]
         names += [f"{pre}.input_layernorm", f"{pre}.post_attention_layernorm"]
-        names += [_full_name(i, m) for m in LORA_MODULES]
+        names += [_full_name(i, m) for m in peft_modules(mc)]
     return names
 
 
@@ -225,21 +241,22 @@ def _resolve_targets(
 ) -> dict[tuple[int, str], tuple[int, float]]:
     """(layer, module) -> (rank, scale) for every module the config targets."""
     names = _model_module_names(mc)
-    lora_names = {_full_name(i, m) for i in range(mc.num_hidden_layers) for m in LORA_MODULES}
+    modules = peft_modules(mc)
+    lora_names = {_full_name(i, m) for i in range(mc.num_hidden_layers) for m in modules}
     tm = cfg["target_modules"]
     if tm == "all-linear":  # PEFT's shorthand: every linear but the output layer
-        cfg = {**cfg, "target_modules": list(LORA_MODULES)}
+        cfg = {**cfg, "target_modules": list(modules)}
     elif isinstance(tm, str):
         bad = [n for n in names if n not in lora_names and _is_targeted(cfg, n)]
         if bad:
             raise _fail(path, f"target_modules regex matches unsupported module {bad[0]!r} "
-                              f"(LoRA is supported on {', '.join(LORA_MODULES)})")
+                              f"(LoRA is supported on {', '.join(modules)})")
     else:
         for t in tm:
             hits = [n for n in names if _suffix_match([t], n)]
             if not hits or any(n not in lora_names for n in hits):
                 raise _fail(path, f"target module {t!r} is not a LoRA-targetable module of this "
-                                  f"model (supported: {', '.join(LORA_MODULES)})")
+                                  f"model (supported: {', '.join(modules)})")
     ltt = cfg.get("layers_to_transform")
     for i in [ltt] if _is_int(ltt) else ltt or []:
         if not 0 <= i < mc.num_hidden_layers:
@@ -247,7 +264,7 @@ def _resolve_targets(
                               f"{mc.num_hidden_layers}-layer model")
     plan = {}
     for i in range(mc.num_hidden_layers):
-        for m in LORA_MODULES:
+        for m in modules:
             key = _full_name(i, m)
             if not _is_targeted(cfg, key):
                 continue
@@ -310,9 +327,9 @@ def _parse_key(key: str, path: object) -> tuple[int, str, str]:
         raise _fail(path, f"LoRA {m['param']} tensor {key!r} is not supported yet")
     mod = m["mod"].removeprefix("base_model.model.")
     lm = _LAYER_MOD_RE.match(m["mod"])
-    if lm is None or lm["name"] not in LORA_MODULES or lm["parent"] != _parent(lm["name"]):
+    if lm is None or lm["name"] not in _KNOWN_MODULES or lm["parent"] != _parent(lm["name"]):
         raise _fail(path, f"tensor {key!r} targets module {mod!r}, which is not supported "
-                          f"(supported: {', '.join(LORA_MODULES)})")
+                          f"(supported: {', '.join(_KNOWN_MODULES)})")
     return int(lm["layer"]), lm["name"], m["kind"]
 
 
@@ -343,6 +360,7 @@ def read_adapter(
         raise _fail(path, "the weights file holds no LoRA tensors")
 
     layers: list[dict[str, LoraModuleWeights]] = [{} for _ in range(n_layers)]
+    nbytes = 0
     for (layer, module), slot in sorted(pairs.items()):
         name = _full_name(layer, module)
         if len(slot) != 2:
@@ -350,13 +368,28 @@ def read_adapter(
         if (layer, module) not in plan:
             raise _fail(path, f"tensors for {name} but adapter_config does not target it")
         shape = model_config.module_shape(module)
-        layers[layer][module] = _module_weights(path, name, slot, shape, *plan[(layer, module)])
+        w = _module_weights(path, name, slot, shape, *plan[(layer, module)])
+        nbytes += w.A.nbytes + w.B.nbytes
+        layers[layer].update(_unfused(module, w, model_config))
     mods = [w for d in layers for w in d.values()]
     return LoraAdapterWeights(
         path=str(path), rank=max(w.rank for w in mods),
         target_modules=frozenset(m for d in layers for m in d), layers=tuple(layers),
-        nbytes=sum(w.A.nbytes + w.B.nbytes for w in mods), fingerprint=fingerprint,
+        nbytes=nbytes, fingerprint=fingerprint,
     )
+
+
+def _unfused(module: str, w: LoraModuleWeights, mc: ModelConfig) -> dict[str, LoraModuleWeights]:
+    """A fused module's LoRA as the modules it fuses: the same A (one tensor), its B's rows."""
+    if module not in FUSED_MODULES:
+        return {module: w}
+    out, row = {}, 0
+    for sub in FUSED_MODULES[module]:
+        rows = mc.module_shape(sub)[0]
+        out[sub] = LoraModuleWeights(A=w.A, B=w.B[row : row + rows].contiguous(), rank=w.rank,
+                                     scale=w.scale)
+        row += rows
+    return out
 
 
 def _module_weights(path, name, slot, shape, want_rank: int, scale: float) -> LoraModuleWeights:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loraserve.config import ModelConfig
+from loraserve.config import ModelConfig, RopeScaling
 from loraserve.model.rope import rope_scaling_from_hf
 
 
@@ -30,43 +30,119 @@ def _llama(c: dict, where: str) -> dict:
     return dict(qkv_bias=bias, o_bias=bias, mlp_bias=bool(c.get("mlp_bias")))
 
 
-def _no_binding_window(c: dict, where: str, sliding: bool) -> None:
-    """Refuse a sliding window that masks something. One at least as long as any context we
-    serve (max_model_len <= max_position_embeddings) is plain causal attention."""
+def _windows(c: dict, where: str, sliding: list[bool]) -> dict:
+    """Per-layer sliding windows (transformers: position p sees positions > p - window). One at
+    least as long as any context we serve (max_model_len <= max_position_embeddings) masks
+    nothing and is left out, so those layers keep plain causal attention."""
     window = c.get("sliding_window")
-    if sliding and window is not None and window < c["max_position_embeddings"]:
-        raise ValueError(f"{where}: sliding_window={window} shorter than "
-                         f"max_position_embeddings={c['max_position_embeddings']} is not "
-                         "supported yet")
+    if window is None or not any(sliding):
+        return {}
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        raise ValueError(f"{where}: sliding_window must be a positive integer, got {window!r}")
+    if window >= c["max_position_embeddings"]:
+        return {}
+    return dict(layer_windows=tuple(window if s else 0 for s in sliding))
 
 
-def _sliding_layers(c: dict) -> bool:
-    return "sliding_attention" in (c.get("layer_types") or [])
+def _sliding_layers(c: dict, where: str) -> list[bool]:
+    types = c.get("layer_types") or ["full_attention"] * c["num_hidden_layers"]
+    kinds = {"full_attention", "sliding_attention"}
+    if len(types) != c["num_hidden_layers"] or not set(types) <= kinds:
+        raise ValueError(f"{where}: layer_types must list full_attention or "
+                         f"sliding_attention once per layer, got {types!r}")
+    return [t == "sliding_attention" for t in types]
+
+
+def _every_layer(c: dict) -> list[bool]:  # Mistral and Phi-3: one window for all layers
+    return [True] * c["num_hidden_layers"]
 
 
 def _mistral(c: dict, where: str) -> dict:
-    _no_binding_window(c, where, sliding=True)  # Mistral's window covers every layer
-    return {}
+    return _windows(c, where, _every_layer(c))
 
 
 def _qwen2(c: dict, where: str) -> dict:
-    _no_binding_window(c, where, _sliding_layers(c))
-    return dict(qkv_bias=True)  # always on in Qwen2, whatever attention_bias says
+    # always on in Qwen2, whatever attention_bias says
+    return dict(qkv_bias=True, **_windows(c, where, _sliding_layers(c, where)))
 
 
 def _qwen3(c: dict, where: str) -> dict:
-    _no_binding_window(c, where, _sliding_layers(c))
     bias = bool(c.get("attention_bias"))
-    return dict(qkv_bias=bias, o_bias=bias, qk_norm=True)
+    return dict(qkv_bias=bias, o_bias=bias, qk_norm=True,
+                **_windows(c, where, _sliding_layers(c, where)))
 
 
 def _smollm3(c: dict, where: str) -> dict:
-    _no_binding_window(c, where, bool(c.get("use_sliding_window")) and _sliding_layers(c))
     use_rope = c.get("no_rope_layers")  # 1 = the layer applies RoPE, 0 = NoPE
     if not isinstance(use_rope, list) or len(use_rope) != c["num_hidden_layers"]:
         raise ValueError(f"{where}: no_rope_layers must list one 0/1 per layer, got {use_rope!r}")
     nope = tuple(i for i, r in enumerate(use_rope) if not r)
-    return {**_llama(c, where), "nope_layers": nope}
+    sliding = [s and bool(c.get("use_sliding_window")) for s in _sliding_layers(c, where)]
+    return {**_llama(c, where), "nope_layers": nope, **_windows(c, where, sliding)}
+
+
+def _phi3(c: dict, where: str) -> dict:
+    out = dict(fused_modules=True, **_windows(c, where, _every_layer(c)))
+    rope = c.get("rope_parameters") or {}
+    if rope.get("rope_type") == "longrope":  # short factors only: cap the context there
+        out["max_position_embeddings"] = min(c["max_position_embeddings"],
+                                             int(rope["original_max_position_embeddings"]))
+    return out
+
+
+def _granite(c: dict, where: str) -> dict:
+    return dict(_llama(c, where), embed_scale=_positive(c, "embedding_multiplier", where),
+                attn_scale=_positive(c, "attention_multiplier", where),  # not 1/sqrt(hd)
+                residual_multiplier=_positive(c, "residual_multiplier", where),
+                logits_scaling=_positive(c, "logits_scaling", where))
+
+
+def _olmo2(c: dict, where: str) -> dict:
+    bias = bool(c.get("attention_bias"))
+    # norms on the attention and MLP outputs, none before them; q/k norms over all heads
+    return dict(qkv_bias=bias, o_bias=bias, pre_norms=False, output_norms=True,
+                qk_norm_full=True)
+
+
+def _positive(c: dict, key: str, where: str, optional: bool = False) -> float:
+    v = c.get(key)
+    if optional and v is None:
+        return 0.0
+    if not isinstance(v, int | float) or isinstance(v, bool) or not v > 0:
+        raise ValueError(f"{where}: {key} must be a positive number, got {v!r}")
+    return float(v)
+
+
+def _gemma(c: dict, where: str) -> dict:
+    """Gemma 1-3: RMSNorms scale by (1 + w), embeddings times sqrt(hidden); Gemma 2/3 add
+    norms on the block outputs, query_pre_attn_scalar, soft-capping and sliding layers;
+    Gemma 3 q/k norms and a local rope base on its sliding layers."""
+    if c.get("use_bidirectional_attention"):
+        raise ValueError(f"{where}: use_bidirectional_attention is not supported (causal "
+                         "decoders only)")
+    bias = bool(c.get("attention_bias"))
+    out = dict(qkv_bias=bias, o_bias=bias, norm_offset=1.0,
+               embed_scale=c["hidden_size"] ** 0.5)
+    if c["model_type"] == "gemma":
+        return out
+    sliding = _sliding_layers(c, where)
+    out.update(attn_scale=_positive(c, "query_pre_attn_scalar", where) ** -0.5,
+               output_norms=True, **_windows(c, where, sliding),
+               attn_softcap=_positive(c, "attn_logit_softcapping", where, optional=True),
+               final_softcap=_positive(c, "final_logit_softcapping", where, optional=True))
+    if c["model_type"] == "gemma3_text":
+        rope = c["rope_parameters"]
+        head_dim = c["head_dim"]
+        full, local = rope["full_attention"], rope["sliding_attention"]
+        if rope_scaling_from_hf(local, where, head_dim) != RopeScaling():
+            raise ValueError(f"{where}: rope_parameters.sliding_attention must be default "
+                             f"rope, got {local!r}")
+        out.update(qk_norm=True, rope_theta=full["rope_theta"],
+                   rope_scaling=rope_scaling_from_hf(full, where, head_dim,
+                                                     c["max_position_embeddings"]),
+                   local_rope_theta=float(local["rope_theta"]),
+                   local_rope_layers=tuple(i for i, s in enumerate(sliding) if s))
+    return out
 
 
 FAMILIES: dict[str, Family] = {
@@ -75,24 +151,28 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family(("Qwen2ForCausalLM",), _qwen2),
     "qwen3": Family(("Qwen3ForCausalLM",), _qwen3),
     "smollm3": Family(("SmolLM3ForCausalLM",), _smollm3),
+    "gemma": Family(("GemmaForCausalLM",), _gemma),
+    "gemma2": Family(("Gemma2ForCausalLM",), _gemma),
+    "gemma3_text": Family(("Gemma3ForCausalLM",), _gemma),
+    "phi3": Family(("Phi3ForCausalLM",), _phi3),
+    "granite": Family(("GraniteForCausalLM",), _granite),
+    "olmo2": Family(("Olmo2ForCausalLM",), _olmo2),
 }
-SUPPORTED = "Llama, Mistral, Qwen2/2.5, Qwen3, SmolLM3 (and Llama-shaped ones: SmolLM2, ...)"
+SUPPORTED = ("Llama, Mistral, Qwen2/2.5, Qwen3, SmolLM3, Gemma 1-3 (text), Phi-3, Granite, "
+             "OLMo 2 (and Llama-shaped ones: SmolLM2, ...)")
 
 # Families users ask for that we know we do not compute, with the reason.
 _REFUSED = {
-    "gemma": "norm offsets and scaled embeddings",
-    "gemma2": "soft-capping, extra norms and sliding windows",
-    "gemma3": "soft-capping, extra norms and sliding windows",
-    "gemma3_text": "soft-capping, extra norms and sliding windows",
-    "granite": "its embedding/attention/residual/logit multipliers",
-    "phi3": "fused qkv_proj/gate_up_proj tensors",
-    "olmo2": "its norm placement",
+    "gemma3": "the multimodal Gemma 3 (serve a text-only Gemma3ForCausalLM checkpoint)",
+    "phi": "not a Llama-family decoder",
+    "olmo": "its non-parametric layer norms and qkv clipping",
     "mixtral": "mixture of experts",
     "qwen2_moe": "mixture of experts",
     "qwen3_moe": "mixture of experts",
     "gpt2": "not a Llama-family decoder",
 }
-_ACTIVATION = "silu"  # the MLP's activation in every family above
+# The gated MLP's activations we compute (llama.py), by transformers' name.
+_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 def read_model_config(path: str | Path) -> ModelConfig:
@@ -122,16 +202,21 @@ def model_config_from_hf(raw: dict, name: str = "model") -> ModelConfig:
             raise ValueError(f"architecture {arch} (model_type {model_type!r}) is not "
                              f"supported; for {model_type} only {', '.join(family.architectures)}")
     c = _with_hf_defaults(raw, where)
-    if c.get("hidden_act", _ACTIVATION) != _ACTIVATION:
-        raise ValueError(f"{where}: hidden_act {c['hidden_act']!r} is not supported "
-                         f"(only {_ACTIVATION!r})")
-    rope = c.get("rope_parameters") or c.get("rope_scaling")
-    if rope and any(isinstance(v, dict) for v in rope.values()):
-        raise ValueError(f"{where}: per-layer rope_parameters are not supported")
     computation = family.computation(c, where)
-    return ModelConfig.from_hf_dict(
-        c, name, architecture=family.architectures[0],
-        rope_scaling=rope_scaling_from_hf(rope, where), **computation)
+    act_field = "hidden_activation" if "hidden_activation" in c else "hidden_act"
+    act = computation.setdefault("hidden_act", c.get(act_field, "silu"))
+    if act not in _ACTIVATIONS:
+        raise ValueError(f"{where}: {act_field} {act!r} is not supported "
+                         f"(only {', '.join(_ACTIVATIONS)})")
+    if "rope_scaling" not in computation:  # per-layer-type rope: the family reads it
+        rope = c.get("rope_parameters") or c.get("rope_scaling")
+        if rope and any(isinstance(v, dict) for v in rope.values()):
+            raise ValueError(f"{where}: per-layer rope_parameters are not supported")
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        computation["rope_scaling"] = rope_scaling_from_hf(rope, where, head_dim,
+                                                           c["max_position_embeddings"])
+    return ModelConfig.from_hf_dict(c, name, architecture=family.architectures[0],
+                                    **computation)
 
 
 def _with_hf_defaults(raw: dict, where: str) -> dict:

@@ -1,8 +1,12 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2/3) for a flat token batch.
+"""Llama-family decoder (Llama, Mistral, Qwen2/3, SmolLM2/3, Gemma 1-3, Phi-3, Granite,
+OLMo 2) for a flat token batch.
 
 What differs between those families is data, not code paths: biases live in the `Linear`s,
-rope scaling in the cos/sin tables; Qwen3's q/k norms and SmolLM3's NoPE layers are one
-per-layer check each (model/families.py decides which family needs what).
+rope scaling in the cos/sin tables, norm offsets and embedding scales are folded into the
+weights at load (model/loader.py), multipliers and soft-caps are per-model floats, sliding
+windows and rope tables per-layer values; optional norms (Qwen3's and OLMo 2's q/k norms,
+Gemma's and OLMo 2's norms on block outputs, OLMo 2's missing input norms) are one per-layer
+check each. model/families.py decides which family needs what.
 
 The step batch is flat: `T` tokens of many sequences, each with its position. q/k/v and
 gate/up are fused into one matmul each; LoRA deltas are added to those fused outputs by a
@@ -12,12 +16,13 @@ hook that sees only slot indices, never adapter names.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from loraserve.config import ModelConfig
+from loraserve.config import ModelConfig, RopeScaling
 from loraserve.model.attention import AttentionBackend
 from loraserve.model.layers import RotaryEmbedding, apply_rope, rms_norm
 from loraserve.model.linear import Linear
@@ -32,36 +37,51 @@ class LoraHook(Protocol):
 
 @dataclass
 class LayerWeights:
-    """Projections are `Linear`s (packed for the fastest GEMM, see linear.py)."""
+    """Projections are `Linear`s (packed for the fastest GEMM, see linear.py). Norm weights
+    already include the family's offset."""
 
-    input_norm: torch.Tensor  # [d]
+    input_norm: torch.Tensor | None  # [d]; None: attention reads h itself (OLMo 2)
     qkv: Linear  # d -> q + 2*kv   fused q_proj, k_proj, v_proj
     o: Linear  # q -> d
-    post_norm: torch.Tensor  # [d]
+    post_norm: torch.Tensor | None  # [d] before the MLP; None: the MLP reads h (OLMo 2)
     gate_up: Linear  # d -> 2*inter  fused gate_proj, up_proj
     down: Linear  # inter -> d
     # [nh + kvh, hd]: q_norm's weight once per q head, then k_norm's per kv head (Qwen3)
     qk_norm: torch.Tensor | None = None
-    rope: bool = True  # False: a NoPE layer (SmolLM3) keeps q and k unrotated
+    # ([q], [kv]): RMSNorm weights over the whole q and k projections (OLMo 2)
+    qk_full_norm: tuple[torch.Tensor, torch.Tensor] | None = None
+    attn_out_norm: torch.Tensor | None = None  # [d] on o's output (Gemma 2/3, OLMo 2)
+    mlp_out_norm: torch.Tensor | None = None  # [d] on down's output
+    rope: int | None = 0  # which of the model's rope tables; None: NoPE (SmolLM3)
+    window: int = 0  # sliding window of this layer's attention; 0: the whole context
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: Linear):
         self.config = config
-        self.embed = embed  # [V, d]
+        self.embed = embed  # [V, d], the family's embedding scale already applied
         self.layers = layers
         self.final_norm = final_norm
-        self.lm_head = lm_head  # d -> V (its own packed copy of embed when tied)
+        self.lm_head = lm_head  # d -> V (its own packed copy of the unscaled embed when tied)
         c = config
         self.q_size = c.num_attention_heads * c.head_dim
         self.kv_size = c.num_key_value_heads * c.head_dim
         self.inter = c.intermediate_size
-        self.scale = c.head_dim**-0.5
-        # tables in the model's dtype and on its device, as embed is
-        self.rope = RotaryEmbedding(inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
-                                    c.max_position_embeddings, c.rope_scaling.attention_factor,
-                                    dtype=embed.dtype, device=embed.device)
+        self.scale = c.head_dim**-0.5 if c.attn_scale is None else c.attn_scale
+        self.act = _ACTIVATIONS[c.hidden_act]
+        # tables in the model's dtype and on its device, as embed is: [0] global, [1] local
+        kw = dict(dtype=embed.dtype, device=embed.device)
+        self.ropes = [RotaryEmbedding(inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
+                                      c.max_position_embeddings,
+                                      c.rope_scaling.attention_factor, **kw)]
+        if c.local_rope_layers:
+            self.ropes.append(RotaryEmbedding(
+                inv_freq(c.head_dim, c.local_rope_theta, RopeScaling()),
+                c.max_position_embeddings, **kw))
 
     # --- forward -------------------------------------------------------------------------------
     def forward(
@@ -76,37 +96,52 @@ class LlamaModel:
     ) -> torch.Tensor:  # [B, V]
         c = self.config
         h = F.embedding(input_ids, self.embed)  # [T, d]
-        cos, sin = self.rope.tables(positions)
+        tables = [r.tables(positions) for r in self.ropes]  # (cos, sin) each
         nh, kvh, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         q_size, kv_size, eps = self.q_size, self.kv_size, c.rms_norm_eps
+        res, softcap, act = c.residual_multiplier, c.attn_softcap, self.act
         for li, (w, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x = rms_norm(h, w.input_norm, eps)
+            x = h if w.input_norm is None else rms_norm(h, w.input_norm, eps)
             qkv = w.qkv(x)  # [T, q + 2kv]
             if lora is not None:
                 lora(li, "qkv", x, qkv)
+            if w.qk_full_norm is not None:  # OLMo 2: over all heads at once, before RoPE
+                qkv[:, :q_size] = rms_norm(qkv[:, :q_size], w.qk_full_norm[0], eps)
+                qkv[:, q_size : q_size + kv_size] = rms_norm(
+                    qkv[:, q_size : q_size + kv_size], w.qk_full_norm[1], eps)
             # Rotate q and k in one go: [T, nh + kvh, hd] (half the small ops per layer).
             qk = qkv[:, : q_size + kv_size].reshape(-1, nh + kvh, hd)
             if w.qk_norm is not None:  # per-head RMSNorm before RoPE, as Qwen3 does
                 qk = torch.rms_norm(qk, (hd,), None, eps) * w.qk_norm
-            if w.rope:
-                qk = apply_rope(qk, cos, sin)
+            if w.rope is not None:
+                qk = apply_rope(qk, *tables[w.rope])
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, q_size + kv_size :].reshape(-1, kvh, hd)
-            a = attention.forward(q, k, v, k_cache, v_cache, attn_meta, self.scale)
+            a = attention.forward(q, k, v, k_cache, v_cache, attn_meta, self.scale, w.window,
+                                  softcap)
             a = a.reshape(-1, q_size)
             o = w.o(a)  # [T, d]
             if lora is not None:
                 lora(li, "o", a, o)
-            h = h + o
-            x = rms_norm(h, w.post_norm, eps)
+            if w.attn_out_norm is not None:
+                o = rms_norm(o, w.attn_out_norm, eps)
+            h = torch.add(h, o, alpha=res)
+            x = h if w.post_norm is None else rms_norm(h, w.post_norm, eps)
             gu = w.gate_up(x)  # [T, 2*inter]
             if lora is not None:
                 lora(li, "gate_up", x, gu)
             gate, up = gu.split((self.inter, self.inter), dim=-1)
-            m = F.silu(gate) * up  # [T, inter]
+            m = act(gate) * up  # [T, inter]
             d = w.down(m)
             if lora is not None:
                 lora(li, "down", m, d)
-            h = h + d
+            if w.mlp_out_norm is not None:
+                d = rms_norm(d, w.mlp_out_norm, eps)
+            h = torch.add(h, d, alpha=res)
         h = rms_norm(h[logits_rows], self.final_norm, eps)  # only rows that sample a token
-        return self.lm_head(h)
+        logits = self.lm_head(h)
+        if c.logits_scaling != 1.0:  # once per step, not per layer
+            logits = logits / c.logits_scaling
+        if c.final_softcap:
+            logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
+        return logits

@@ -55,24 +55,43 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         return BiasedLinear(weight, torch.cat([take(n + ".bias") for n in names]))
 
     c = config
+
+    def norm(name: str) -> torch.Tensor:
+        # Gemma's RMSNorm scales by (1 + w): folding the offset in makes it a plain RMSNorm.
+        w = take(name)
+        return (w + c.norm_offset if c.norm_offset else w).contiguous()
+
+    proj = (["qkv_proj"], ["gate_up_proj"]) if c.fused_modules else (
+        ["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"])
     layers = []
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
-        qk_norm = None
+        qk_norm = qk_full_norm = None
         if c.qk_norm:  # one weight row per head: q heads first, then kv heads (see llama.py)
-            qk_norm = torch.cat([take(a + "q_norm.weight").expand(c.num_attention_heads, -1),
-                                 take(a + "k_norm.weight").expand(c.num_key_value_heads, -1)])
+            qk_norm = torch.cat([norm(a + "q_norm.weight").expand(c.num_attention_heads, -1),
+                                 norm(a + "k_norm.weight").expand(c.num_key_value_heads, -1)])
+        if c.qk_norm_full:
+            qk_full_norm = (norm(a + "q_norm.weight"), norm(a + "k_norm.weight"))
+        # Llama names its pre-MLP norm post_attention_layernorm; with output norms (Gemma,
+        # OLMo 2) that name is the norm on the attention output, and the pre-MLP one is
+        # pre_feedforward_layernorm.
+        out_norms = c.output_norms
+        pre_mlp = "pre_feedforward_layernorm" if out_norms else "post_attention_layernorm"
         layers.append(
             LayerWeights(
-                input_norm=take(p + "input_layernorm.weight").contiguous(),
-                qkv=linear([a + n for n in ("q_proj", "k_proj", "v_proj")], c.qkv_bias),
+                input_norm=norm(p + "input_layernorm.weight") if c.pre_norms else None,
+                qkv=linear([a + n for n in proj[0]], c.qkv_bias),
                 o=linear([a + "o_proj"], c.o_bias),
-                post_norm=take(p + "post_attention_layernorm.weight").contiguous(),
-                gate_up=linear([m + "gate_proj", m + "up_proj"], c.mlp_bias),
+                post_norm=norm(p + pre_mlp + ".weight") if c.pre_norms else None,
+                gate_up=linear([m + n for n in proj[1]], c.mlp_bias),
                 down=linear([m + "down_proj"], c.mlp_bias),
                 qk_norm=qk_norm,
-                rope=i not in c.nope_layers,
+                qk_full_norm=qk_full_norm,
+                attn_out_norm=norm(p + "post_attention_layernorm.weight") if out_norms else None,
+                mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if out_norms else None,
+                rope=None if i in c.nope_layers else int(i in c.local_rope_layers),
+                window=c.layer_windows[i] if c.layer_windows else 0,
             )
         )
     embed = take("model.embed_tokens.weight").contiguous()
@@ -81,7 +100,10 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         sd.pop("lm_head.weight", None)
     else:
         lm_head = Linear(take("lm_head.weight"))
-    final_norm = take("model.norm.weight").contiguous()
+    if c.embed_scale != 1.0:  # the lm_head above keeps the unscaled rows
+        # times the scale in the weights' dtype, as Gemma does: exactly its scaled lookup
+        embed = embed * torch.tensor(c.embed_scale, dtype=embed.dtype)
+    final_norm = norm("model.norm.weight")
     leftovers = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
     if leftovers:
         raise ValueError(f"checkpoint {path} has tensors this model does not use: {leftovers[:5]}")

@@ -23,6 +23,10 @@ _REQUIRED = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
+    # Phi-3: per-pair factors, the short ones up to original_max_position_embeddings (transformers
+    # switches to the long ones past it, recomputing every position; we serve only the short
+    # ones and cap the context there instead, see families.py)
+    "longrope": ("original_max_position_embeddings",),
 }
 
 
@@ -34,9 +38,11 @@ def _positive(params: dict, key: str, where: str, rope_type: str) -> float:
     return v
 
 
-def rope_scaling_from_hf(params: dict | None, where: str) -> RopeScaling:
+def rope_scaling_from_hf(params: dict | None, where: str, head_dim: int = 0,
+                         max_positions: int = 0) -> RopeScaling:
     """`params`: the HF config's rope_parameters (or legacy rope_scaling), after transformers'
-    own defaults were filled in. `where` names the model in errors."""
+    own defaults were filled in. `where` names the model in errors; head_dim and the config's
+    max_position_embeddings are read by longrope only."""
     params = dict(params or {})
     rope_type = params.get("rope_type", params.get("type")) or "default"
     if rope_type not in _REQUIRED:
@@ -55,7 +61,25 @@ def rope_scaling_from_hf(params: dict | None, where: str) -> RopeScaling:
             values["original_max_position_embeddings"])
     if rope_type == "yarn":
         values.update(_yarn_extras(params, values["factor"], where))
+    if rope_type == "longrope":
+        values.update(_longrope_extras(params, values["original_max_position_embeddings"],
+                                       head_dim, max_positions, where))
     return RopeScaling(rope_type=rope_type, **values)
+
+
+def _longrope_extras(params: dict, old_len: int, head_dim: int, max_positions: int,
+                     where: str) -> dict:
+    short = params.get("short_factor")
+    if not (isinstance(short, list) and len(short) == head_dim // 2
+            and all(isinstance(f, int | float) and f > 0 for f in short)):
+        raise ValueError(f"{where}: rope_parameters.short_factor must list {head_dim // 2} "
+                         "positive numbers")
+    af = params.get("attention_factor")
+    if af is None:  # transformers' default: from the factor, else the context ratio
+        factor = params.get("factor") or max_positions / old_len
+        af = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+    _positive({"attention_factor": af}, "attention_factor", where, "longrope")
+    return {"short_factor": tuple(float(f) for f in short), "attention_factor": float(af)}
 
 
 def _yarn_extras(params: dict, factor: float, where: str) -> dict:
@@ -92,6 +116,8 @@ def inv_freq(head_dim: int, theta: float, rs: RopeScaling) -> torch.Tensor:
         return _llama3(freq, rs)
     if rs.rope_type == "yarn":
         return _yarn(freq, head_dim, theta, rs)
+    if rs.rope_type == "longrope":
+        return freq / torch.tensor(rs.short_factor, dtype=torch.float64)
     return freq  # default, and dynamic inside max_position_embeddings
 
 
