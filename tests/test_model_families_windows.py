@@ -119,3 +119,22 @@ def test_the_window_or_the_multipliers_change_the_tokens(case, tmp_path):
     prompts = prompts_for(10)
     assert any(argmax_loop(real, p, MAX_TOKENS) != argmax_loop(plain, p, MAX_TOKENS)
                for p in prompts)
+
+
+@pytest.mark.parametrize("targets, named", [
+    (["q_proj"], "'q_proj'"),  # Phi-3 has no q_proj: its attention input is qkv_proj
+    (["gate_proj", "up_proj"], "'gate_proj'"),
+    (r".*\.k_proj", "targets no module"),
+])
+def test_phi3_adapter_whose_targets_match_nothing_is_refused(targets, named, tmp_path):
+    from adapter_factory import edit_config, make_peft_adapter
+    from model_factory import make_tiny_family
+
+    from loraserve.types import LoraServeError
+
+    base_dir = make_tiny_family(tmp_path / "base", "phi3")
+    adapter = make_peft_adapter(base_dir, tmp_path / "a", target_modules=["qkv_proj"])
+    edit_config(adapter, target_modules=targets)
+    llm = LLM(str(base_dir))
+    with pytest.raises(LoraServeError, match=named):
+        llm.load_lora_adapter("a", str(adapter))
