@@ -62,7 +62,8 @@ def _precheck_serve(args: argparse.Namespace, adapters: dict[str, str]) -> None:
 def add_engine_args(p: argparse.ArgumentParser, exclude: frozenset[str] = frozenset()) -> None:
     """--model, --lora-paths and one flag per EngineConfig field (--field-name)."""
     p.add_argument("--model", default=None,
-                   help="HF checkpoint dir (default: the bundled SmolLM2-135M-Instruct)")
+                   help="HF checkpoint dir or GGUF file (default: the bundled "
+                        "SmolLM2-135M-Instruct); README lists the families served")
     p.add_argument("--lora-paths", nargs="*", metavar="NAME=PATH", help="adapters to load")
     g = p.add_argument_group("engine")
     fields = [f for f in dataclasses.fields(EngineConfig) if f.name not in exclude]
