@@ -138,3 +138,44 @@ def test_phi3_adapter_whose_targets_match_nothing_is_refused(targets, named, tmp
     llm = LLM(str(base_dir))
     with pytest.raises(LoraServeError, match=named):
         llm.load_lora_adapter("a", str(adapter))
+
+
+@pytest.mark.parametrize("case", ["gemma2", "granite"])
+def test_logprobs_follow_the_final_softcap_and_logits_scaling(case, tmp_path):
+    # Greedy tokens cannot see a monotone map of the logits (Gemma 2's final soft-cap,
+    # Granite's logits_scaling): the logprobs can.
+    import torch
+    from adapter_factory import load_base_model
+    from model_factory import make_tiny_family
+
+    model_type, fields, _, _ = CASES[case]
+    base_dir = make_tiny_family(tmp_path / "base", model_type, **fields)
+    hf = load_base_model(base_dir)
+    prompt = prompts_for(3)[1]
+    out = LLM(str(base_dir)).generate([prompt], SamplingParams(
+        max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=5))[0]
+    with torch.inference_mode():
+        want = torch.log_softmax(hf(input_ids=torch.tensor([prompt])).logits[0, -1], -1)
+    top = torch.topk(want, 5)
+    assert out.top_logprobs[0] == pytest.approx(
+        dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)), abs=1e-4)
+
+
+@pytest.mark.parametrize("path", ["kernel", "gather"])
+def test_prefix_cache_under_a_window(path, tmp_path, monkeypatch):
+    # A prompt's K/V does not depend on the window: a later prompt that extends it reuses the
+    # cached blocks (far longer than the window) and still computes the HF tokens.
+    from adapter_factory import load_base_model
+    from model_factory import make_tiny_family
+
+    monkeypatch.setenv("LORASERVE_PAGED_DECODE", "0" if path == "gather" else "1")
+    model_type, fields, _, _ = CASES["gemma2"]
+    base_dir = make_tiny_family(tmp_path / "base", model_type, **fields)
+    hf = load_base_model(base_dir)
+    first, extra = prompts_for(5)[3][:64], prompts_for(6)[1]
+    llm = LLM(str(base_dir), max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    assert llm.generate([first], params)[0].token_ids == argmax_loop(hf, first, MAX_TOKENS)
+    out = llm.generate([first + extra], params)[0]
+    assert out.num_cached_tokens >= 48
+    assert out.token_ids == argmax_loop(hf, first + extra, MAX_TOKENS)
