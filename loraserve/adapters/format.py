@@ -1,9 +1,9 @@
-"""Reading PEFT LoRA adapters: the only module that knows PEFT's file names, keys and rules.
+"""Reading PEFT LoRA adapters: with adapters/peft/ (files, targets), the only code that knows
+PEFT's file names, keys and rules.
 
 Everything is validated before a `LoraAdapterWeights` is returned, so a caller never holds a
-half-read adapter. Target and pattern matching mirror peft 0.21
-(`check_target_module_exists`, `get_pattern_key`) on Llama-family module names, and on
-Phi-3's fused ones (`qkv_proj`, `gate_up_proj`) for a model whose checkpoint fuses them.
+half-read adapter. Which modules a config targets is peft/targets.py's (PEFT's own matching,
+on our module names and on Phi-3's fused ones).
 
 A LoRA on a fused module is one delta on the whole fused output (B: [q + 2kv, r]); it is
 handed on as the modules it fuses, each with the same A and its rows of B: exactly the same
@@ -25,7 +25,14 @@ import torch
 
 from loraserve.adapters.peft.files import check_inside, check_safetensors, max_weights_bytes
 from loraserve.adapters.peft.regex_guard import unsafe_reason
-from loraserve.config import ATTN_MODULES, LORA_MODULES, ModelConfig
+from loraserve.adapters.peft.targets import (
+    FUSED_MODULES,
+    KNOWN_MODULES,
+    full_name,
+    parent_of,
+    resolve_targets,
+)
+from loraserve.config import ModelConfig
 from loraserve.types import AdapterFormatError
 
 CONFIG_FILE = "adapter_config.json"
@@ -42,10 +49,6 @@ _UNSUPPORTED_FLAGS = {
 }
 # '...q_proj.lora_A.weight' or, with an adapter name, '...q_proj.lora_A.default.weight'.
 _LORA_KEY_RE = re.compile(r"^(?P<mod>.+)\.(?P<kind>lora_A|lora_B)(?:\.[^.]+)?\.(?P<param>\w+)$")
-# fused PEFT module -> the modules it stacks on d_out, in order
-FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
-                 "gate_up_proj": ("gate_proj", "up_proj")}
-_KNOWN_MODULES = LORA_MODULES + tuple(FUSED_MODULES)
 _LAYER_MOD_RE = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<name>\w+)$"
 )
@@ -73,21 +76,6 @@ def _fail(path: object, problem: str) -> AdapterFormatError:
     return AdapterFormatError(f"adapter {path}: {problem}")
 
 
-def _parent(module: str) -> str:
-    return "self_attn" if module in ATTN_MODULES or module == "qkv_proj" else "mlp"
-
-
-def peft_modules(mc: ModelConfig) -> tuple[str, ...]:
-    """The LoRA-targetable linears of one layer, as the checkpoint (and PEFT) names them."""
-    if mc.fused_modules:
-        return ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-    return LORA_MODULES
-
-
-def _full_name(layer: int, module: str) -> str:
-    return f"model.layers.{layer}.{_parent(module)}.{module}"
-
-
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -104,7 +92,7 @@ def read_adapter_config(
     exist in the model (and, with `max_lora_rank`, that every targeted rank fits)."""
     cfg, _ = _read_config(path)
     if model_config is not None:
-        _resolve_targets(cfg, model_config, path, max_lora_rank)
+        resolve_targets(cfg, model_config, path, max_lora_rank)
     return cfg
 
 
@@ -183,102 +171,6 @@ def _check_patterns(value, field: str, path: object, list_ok=True, none_ok=False
             raise _fail(path, f"{field} regex {v[:80]!r} is refused: {why}")
 
 
-def _model_module_names(mc: ModelConfig) -> list[str]:
-    """Every module name of a Llama-family *ForCausalLM, as PEFT's matching sees them."""
-    names = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb",
-             "lm_head"]
-    for i in range(mc.num_hidden_layers):
-        pre = f"model.layers.{i}"
-        names += [pre, f"{pre}.self_attn", f"{pre}.mlp", f"{pre}.mlp.act_fn"]
-        names += [f"{pre}.input_layernorm", f"{pre}.post_attention_layernorm"]
-        names += [_full_name(i, m) for m in peft_modules(mc)]
-    return names
-
-
-def _suffix_match(targets, key: str) -> bool:
-    return key in targets or any(key.endswith(f".{t}") for t in targets)
-
-
-def _is_targeted(cfg: dict, key: str) -> bool:
-    """peft.tuners.tuners_utils.check_target_module_exists for a LoRA config."""
-    ex = cfg.get("exclude_modules")
-    if ex and (re.fullmatch(ex, key) if isinstance(ex, str) else _suffix_match(ex, key)):
-        return False
-    tm = cfg["target_modules"]
-    if isinstance(tm, str):
-        return re.fullmatch(tm, key) is not None  # layers_to_transform is ignored for a regex
-    if key in tm:
-        return True
-    if not any(key.endswith(f".{t}") for t in tm):
-        return False
-    layers = cfg.get("layers_to_transform")
-    if layers is None or layers == []:
-        return True
-    lp = cfg.get("layers_pattern")
-    if not lp:
-        m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
-    else:
-        for pat in [lp] if isinstance(lp, str) else lp:
-            m = re.match(rf"(?:^|.*?\.){pat}\.(?P<idx>\d+)\.", key)
-            if m:
-                break
-    if not m:
-        return False
-    idx = int(m.group("idx"))
-    return idx == layers if _is_int(layers) else idx in layers
-
-
-def _pattern_value(patterns: dict, key: str, default):
-    """peft.utils.other.get_pattern_key: the first pattern matching a dotted suffix of key."""
-    for pat in patterns:
-        if re.match(rf"(.*\.)?({pat})$", key):
-            return patterns[pat]
-    return default
-
-
-def _resolve_targets(
-    cfg: dict, mc: ModelConfig, path: object, max_lora_rank: int | None
-) -> dict[tuple[int, str], tuple[int, float]]:
-    """(layer, module) -> (rank, scale) for every module the config targets."""
-    names = _model_module_names(mc)
-    modules = peft_modules(mc)
-    lora_names = {_full_name(i, m) for i in range(mc.num_hidden_layers) for m in modules}
-    tm = cfg["target_modules"]
-    if tm == "all-linear":  # PEFT's shorthand: every linear but the output layer
-        cfg = {**cfg, "target_modules": list(modules)}
-    elif isinstance(tm, str):
-        bad = [n for n in names if n not in lora_names and _is_targeted(cfg, n)]
-        if bad:
-            raise _fail(path, f"target_modules regex matches unsupported module {bad[0]!r} "
-                              f"(LoRA is supported on {', '.join(modules)})")
-    else:
-        for t in tm:
-            hits = [n for n in names if _suffix_match([t], n)]
-            if not hits or any(n not in lora_names for n in hits):
-                raise _fail(path, f"target module {t!r} is not a LoRA-targetable module of this "
-                                  f"model (supported: {', '.join(modules)})")
-    ltt = cfg.get("layers_to_transform")
-    for i in [ltt] if _is_int(ltt) else ltt or []:
-        if not 0 <= i < mc.num_hidden_layers:
-            raise _fail(path, f"layers_to_transform has layer {i}, out of range for a "
-                              f"{mc.num_hidden_layers}-layer model")
-    plan = {}
-    for i in range(mc.num_hidden_layers):
-        for m in modules:
-            key = _full_name(i, m)
-            if not _is_targeted(cfg, key):
-                continue
-            r = _pattern_value(cfg.get("rank_pattern") or {}, key, cfg.get("r", 8))
-            alpha = _pattern_value(cfg.get("alpha_pattern") or {}, key, cfg.get("lora_alpha", 8))
-            if max_lora_rank is not None and r > max_lora_rank:
-                raise _fail(path, f"rank {r} of {key} exceeds max_lora_rank={max_lora_rank}")
-            sqrt = cfg.get("use_rslora", False)
-            plan[(i, m)] = (r, alpha / (math.sqrt(r) if sqrt else r))
-    if not plan:
-        raise _fail(path, "adapter_config targets no module of this model")
-    return plan
-
-
 def _load_tensors(p: Path, path: object, allow_pickle: bool, root: str | None,
                   max_bytes: int) -> tuple[dict, bytes]:
     """The weights file's tensors and its bytes (read once, so both agree)."""
@@ -327,9 +219,9 @@ def _parse_key(key: str, path: object) -> tuple[int, str, str]:
         raise _fail(path, f"LoRA {m['param']} tensor {key!r} is not supported yet")
     mod = m["mod"].removeprefix("base_model.model.")
     lm = _LAYER_MOD_RE.match(m["mod"])
-    if lm is None or lm["name"] not in _KNOWN_MODULES or lm["parent"] != _parent(lm["name"]):
+    if lm is None or lm["name"] not in KNOWN_MODULES or lm["parent"] != parent_of(lm["name"]):
         raise _fail(path, f"tensor {key!r} targets module {mod!r}, which is not supported "
-                          f"(supported: {', '.join(_KNOWN_MODULES)})")
+                          f"(supported: {', '.join(KNOWN_MODULES)})")
     return int(lm["layer"]), lm["name"], m["kind"]
 
 
@@ -341,7 +233,7 @@ def read_adapter(
     `root`: every file read must resolve inside it. The fingerprint covers the config and the
     weights: either changing makes another adapter."""
     cfg, raw_cfg = _read_config(path, root)
-    plan = _resolve_targets(cfg, model_config, path, max_lora_rank)
+    plan = resolve_targets(cfg, model_config, path, max_lora_rank)
     tensors, data = _load_tensors(Path(path), path, allow_pickle, root,
                                   max_weights_bytes(model_config, max_lora_rank))
     fingerprint = hashlib.sha256(hashlib.sha256(raw_cfg).digest() + data).hexdigest()
@@ -362,7 +254,7 @@ def read_adapter(
     layers: list[dict[str, LoraModuleWeights]] = [{} for _ in range(n_layers)]
     nbytes = 0
     for (layer, module), slot in sorted(pairs.items()):
-        name = _full_name(layer, module)
+        name = full_name(layer, module)
         if len(slot) != 2:
             raise _fail(path, f"{name} has only a {next(iter(slot))} tensor")
         if (layer, module) not in plan:
