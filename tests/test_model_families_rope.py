@@ -56,3 +56,20 @@ def test_rope_equals_transformers(case, head_dim):
     # transformers computes in float32, we in float64
     torch.testing.assert_close(got.float(), want_freq.float(), rtol=1e-6, atol=0)
     assert mc.rope_scaling.attention_factor == pytest.approx(want_factor, rel=1e-12)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "phi3"])
+def test_longrope_caps_the_context_where_its_short_factors_end(model_type):
+    # transformers switches every position to the long factors once a sequence passes
+    # original_max_position_embeddings; we serve the short ones only, so never past it.
+    from transformers import AutoConfig
+
+    params = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=64,
+                  short_factor=[1.5] * 8, long_factor=[4.0] * 8)
+    # Phi-3 states original_max_position_embeddings at the top level too (and it wins)
+    top = dict(original_max_position_embeddings=64) if model_type == "phi3" else {}
+    hf = AutoConfig.for_model(model_type, hidden_size=64, num_attention_heads=4,
+                              max_position_embeddings=512, rope_parameters=params, **top)
+    mc = model_config_from_hf({**hf.to_dict(), "vocab_size": 32, "intermediate_size": 32,
+                               "num_hidden_layers": 1})
+    assert mc.rope_scaling.rope_type == "longrope" and mc.max_position_embeddings == 64

@@ -49,8 +49,10 @@ CASES: dict[str, tuple[str, dict, tuple[str, ...], str]] = {
                                    layer_types=SLIDING_FULL, rope_parameters=GEMMA3_ROPE),
                LORA_MODULES, "kernel"),
     "phi3": ("phi3", dict(), PHI3_MODULES, "kernel"),
-    # longrope's short factors (context capped at 128) and a window on every layer
+    # longrope's short factors and its attention factor (context 512 over 128: capped at
+    # 128), a window on every layer
     "phi3-longrope-window": ("phi3", dict(max_position_embeddings=512, sliding_window=8,
+                                          original_max_position_embeddings=128,
                                           rope_parameters=LONGROPE), ("qkv_proj",), "gather"),
     "granite": ("granite", dict(embedding_multiplier=3.0, attention_multiplier=0.05,
                                 residual_multiplier=0.6, logits_scaling=4.0),

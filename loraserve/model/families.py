@@ -82,12 +82,7 @@ def _smollm3(c: dict, where: str) -> dict:
 
 
 def _phi3(c: dict, where: str) -> dict:
-    out = dict(fused_modules=True, **_windows(c, where, _every_layer(c)))
-    rope = c.get("rope_parameters") or {}
-    if rope.get("rope_type") == "longrope":  # short factors only: cap the context there
-        out["max_position_embeddings"] = min(c["max_position_embeddings"],
-                                             int(rope["original_max_position_embeddings"]))
-    return out
+    return dict(fused_modules=True, **_windows(c, where, _every_layer(c)))
 
 
 def _granite(c: dict, where: str) -> dict:
@@ -215,6 +210,10 @@ def model_config_from_hf(raw: dict, name: str = "model") -> ModelConfig:
         head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
         computation["rope_scaling"] = rope_scaling_from_hf(rope, where, head_dim,
                                                            c["max_position_embeddings"])
+    rs = computation["rope_scaling"]
+    if rs.rope_type == "longrope":  # short factors only: cap the context where they end
+        computation["max_position_embeddings"] = min(c["max_position_embeddings"],
+                                                     rs.original_max_position_embeddings)
     return ModelConfig.from_hf_dict(c, name, architecture=family.architectures[0],
                                     **computation)
 
