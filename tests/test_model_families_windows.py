@@ -103,7 +103,7 @@ def test_family_equals_transformers_and_peft(case, tmp_path, monkeypatch):
         assert out.token_ids == refs[key], (case, key)
 
 
-@pytest.mark.parametrize("case", ["mistral-window", "gemma2", "granite"])
+@pytest.mark.parametrize("case", ["mistral-window", "gemma2", "gemma3", "granite"])
 def test_the_window_or_the_multipliers_change_the_tokens(case, tmp_path):
     # Guards the test above: without the window (or the family's multipliers/soft-caps) the
     # same weights give other tokens, so a model that ignored them could not pass it.
@@ -113,6 +113,10 @@ def test_the_window_or_the_multipliers_change_the_tokens(case, tmp_path):
     model_type, fields, _, _ = CASES[case]
     plain_fields = {"mistral-window": dict(sliding_window=None),
                     "gemma2": dict(sliding_window=4096, attn_logit_softcapping=None),
+                    # one rope for all layers: the sliding layer's local base is what differs
+                    "gemma3": dict(rope_parameters=dict(
+                        full_attention=GEMMA3_ROPE["full_attention"],
+                        sliding_attention=GEMMA3_ROPE["full_attention"])),
                     "granite": dict(embedding_multiplier=1.0, attention_multiplier=0.25,
                                     residual_multiplier=1.0, logits_scaling=1.0)}[case]
     real = load_base_model(make_tiny_family(tmp_path / "a", model_type, **fields))
