@@ -115,3 +115,16 @@ def test_cli_refuses_a_family_in_one_line(command, refused_dirs):
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "MixtralForCausalLM" in lines[0] and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("raw, named", [
+    ({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]},
+     "multimodal Gemma 3"),
+    ({"model_type": "olmo", "architectures": ["OlmoForCausalLM"]}, "OlmoForCausalLM"),
+    ({"model_type": "phi", "architectures": ["PhiForCausalLM"]}, "PhiForCausalLM"),
+])
+def test_lookalike_families_are_refused_by_name(raw, named):
+    # names close to served families (Gemma 3 text, OLMo 2, Phi-3) that compute otherwise
+    with pytest.raises(ValueError) as e:
+        model_config_from_hf(raw)
+    assert named in one_line(e.value) and "not supported" in str(e.value)
