@@ -33,7 +33,8 @@ class PrefillSeq:
     end: int
     ctx_blocks: torch.Tensor | None  # [nb] blocks holding its whole context; None: no prior one
     ctx_len: int
-    masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> [q, ctx] mask
+    # window -> (first context block any of its tokens sees, [q, ctx from that block] mask)
+    masks: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -95,23 +96,25 @@ class CpuAttention(AttentionBackend):
         gqa = q.shape[1] != k.shape[1]
         for p in meta.prefills:
             qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, nh, q, hd]
-            if p.ctx_blocks is None:
+            if p.ctx_blocks is None and not window and not softcap:
                 # Fresh prompt: attend to this step's own K/V, no cache gather.
                 ks = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
                 vs = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
-            else:
-                bs = self.block_size
-                ks = _gather(k_cache, p.ctx_blocks, bs)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
-                vs = _gather(v_cache, p.ctx_blocks, bs)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
-            if p.ctx_blocks is None and not window and not softcap:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                    enable_gqa=gqa)
-            else:
-                mask = p.masks.get(window)
-                if mask is None:
-                    mask = p.masks[window] = _causal_mask(p.end - p.start, p.ctx_len, window,
-                                                          q.device)
-                o = _attend(qs, ks, vs, mask, scale, softcap, gqa)
+                out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
+                continue
+            first, mask = p.masks.get(window) or p.masks.setdefault(
+                window, self._prefill_mask(p, window, q.device))
+            if p.ctx_blocks is None:
+                ks = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
+                vs = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
+            else:  # only the blocks some token's window reaches
+                bs, blocks = self.block_size, p.ctx_blocks[first:]
+                n = p.ctx_len - first * bs
+                ks = _gather(k_cache, blocks, bs)[:n].transpose(0, 1).unsqueeze(0)
+                vs = _gather(v_cache, blocks, bs)[:n].transpose(0, 1).unsqueeze(0)
+            o = _attend(qs, ks, vs, mask, scale, softcap, gqa)
             out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
         if meta.decode_blocks is None:
             return out
@@ -135,6 +138,13 @@ class CpuAttention(AttentionBackend):
         out[rows] = o
         return out
 
+    def _prefill_mask(self, p: PrefillSeq, window: int, device) -> tuple[int, torch.Tensor]:
+        q_len = p.end - p.start
+        first = 0  # a fresh prompt's own K/V start at position 0
+        if window and p.ctx_blocks is not None:  # its first token sees from first_pos - w + 1
+            first = max(0, p.ctx_len - q_len - window + 1) // self.block_size
+        return first, _causal_mask(q_len, p.ctx_len, window, first * self.block_size, device)
+
 
 def _attend(q, k, v, mask, scale: float, softcap: float, gqa: bool) -> torch.Tensor:
     # q: [B, nh, q, hd]; k, v: [B, kvh, L, hd]; mask: broadcast to [B, nh, q, L], True = seen
@@ -157,12 +167,12 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch
     return rows.view(*blocks.shape[:-1], blocks.shape[-1] * block_size, *cache.shape[1:])
 
 
-def _causal_mask(q_len: int, ctx_len: int, window: int, device) -> torch.Tensor:
+def _causal_mask(q_len: int, ctx_len: int, window: int, start: int, device) -> torch.Tensor:
     # Query i sits at context position ctx_len - q_len + i and sees positions <= it (and,
-    # with a window, > it - window).
+    # with a window, > it - window); columns are context positions start..ctx_len - 1.
     q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device).unsqueeze(1)
-    kv_pos = torch.arange(ctx_len, device=device).unsqueeze(0)
-    mask = kv_pos <= q_pos  # [q, ctx]
+    kv_pos = torch.arange(start, ctx_len, device=device).unsqueeze(0)
+    mask = kv_pos <= q_pos  # [q, ctx - start]
     return mask & (kv_pos > q_pos - window) if window else mask
 
 
