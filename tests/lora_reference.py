@@ -69,6 +69,7 @@ def run_until_done(eng, outs: dict | None = None, max_steps: int = 500) -> dict:
         if not eng.has_work:
             return outs
         outs.update({o.request_id: o for o in eng.step() if o.finished})
+        eng.check_invariants().raise_if_failed()  # between any two steps, every one holds
     raise AssertionError("the engine did not drain")
 
 
@@ -77,6 +78,7 @@ def assert_idle(eng) -> None:
     assert not eng.has_work and not eng.requests
     assert eng.kv.pool.num_free == eng.kv.pool.num_blocks, "KV blocks leaked"
     assert all(e.refcount == 0 for e in eng.store.entries.values()), "refcount leaked"
+    eng.check_invariants().raise_if_failed()
 
 
 # Prompts shared by the lifecycle and slot tests (token ids of the tiny model's vocabulary).

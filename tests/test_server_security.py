@@ -38,13 +38,16 @@ def test_health_is_open_and_everything_else_needs_the_key(server):
 
     assert httpx.get(server.url + "/health").status_code == 200
     body = {"model": "model", "prompt": "hi", "max_tokens": 2}
-    for path in ("/v1/models", "/metrics", "/debug/state"):
+    for path in ("/v1/models", "/metrics", "/debug/state", "/debug/invariants"):
         assert_error(httpx.get(server.url + path), 401, "API key")
         assert_error(server.get(path, key="wrong"), 401)
         assert server.get(path, key=ADMIN).status_code == 200
     for path in ("/v1/models", "/metrics"):
         assert server.get(path).status_code == 200
-    assert_error(server.get("/debug/state"), 403, "operator")  # not for ordinary clients
+    for path in ("/debug/state", "/debug/invariants"):  # not for ordinary clients
+        assert_error(server.get(path), 403, "operator")
+    report = server.get("/debug/invariants", key=ADMIN).json()
+    assert report["ok"] and report["violations"] == [] and report["kv_blocks_total"] > 0
     for path in ("/v1/completions", "/v1/chat/completions"):
         assert_error(httpx.post(server.url + path, json=body), 401)
         r = httpx.post(server.url + path, json=body, headers={"Authorization": f"Basic {KEY}"})

@@ -52,6 +52,14 @@ class DiskLoader:
         if fut is not None:
             fut.cancel()
 
+    def check(self, uids: set[int]) -> list[str]:
+        """Every read in flight is for one of `uids` (a live adapter) and can still finish."""
+        problems = [f"a disk read for adapter uid {u} nobody waits for"
+                    for u in self._pending if u not in uids]
+        problems += [f"the disk read for adapter uid {u} was cancelled but is still pending"
+                     for u, fut in self._pending.items() if fut.cancelled()]
+        return problems
+
     def collect(self) -> list[LoadResult]:
         """Loads that finished since the last call."""
         done = []

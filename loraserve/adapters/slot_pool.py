@@ -84,6 +84,9 @@ class LoraSlotPool:
         self._parts: list[dict[str, tuple[Part, ...]]] = [
             dict.fromkeys(GROUP_NAMES, ()) for _ in range(num_slots)
         ]
+        # the fingerprint of the weights each slot holds (None: cleared), so the store's
+        # record of who owns a slot can be checked against what the slot really holds
+        self.content: list[str | None] = [None] * num_slots
 
     @property
     def nbytes(self) -> int:
@@ -120,6 +123,7 @@ class LoraSlotPool:
         extra = num_slots - self.num_slots
         self._ranks += [dict.fromkeys(GROUP_NAMES, 0) for _ in range(extra)]
         self._parts += [dict.fromkeys(GROUP_NAMES, ()) for _ in range(extra)]
+        self.content += [None] * extra
         self.num_slots = num_slots
 
     def clear(self, slot: int) -> None:
@@ -127,6 +131,7 @@ class LoraSlotPool:
         self._zero(slot)
         self._ranks[slot] = dict.fromkeys(GROUP_NAMES, 0)
         self._parts[slot] = dict.fromkeys(GROUP_NAMES, ())
+        self.content[slot] = None
 
     def write(self, slot: int, weights: LoraAdapterWeights) -> None:
         """Pack `weights` into `slot`, replacing whatever was there. Validates everything
@@ -159,6 +164,7 @@ class LoraSlotPool:
                         full[:, t0 : t0 + w])
         self._ranks[slot] = ranks
         self._parts[slot] = {g: tuple(parts[g].values()) for g in GROUP_NAMES}
+        self.content[slot] = weights.fingerprint
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Set
+from collections.abc import Mapping, Set
 from dataclasses import replace
 from typing import Protocol
 
@@ -33,6 +33,7 @@ from loraserve.adapters.entry import AdapterEntry, AdapterSnapshot
 from loraserve.adapters.eviction import pick_victim
 from loraserve.adapters.format import LoraAdapterWeights
 from loraserve.adapters.stats import AdapterStats
+from loraserve.adapters.store_check import check_store
 from loraserve.types import (
     AdapterBusyError,
     AdapterConflictError,
@@ -48,6 +49,7 @@ class SlotPool(Protocol):
     """Compute slots (adapters/slot_pool.LoraSlotPool); `write` fully overwrites a slot."""
 
     num_slots: int
+    content: list[str | None]  # the fingerprint of the weights in each slot
 
     def write(self, slot: int, weights: LoraAdapterWeights) -> None: ...
 
@@ -343,6 +345,10 @@ class AdapterStore:
             snaps = tuple(replace(sn, tier="host") if sn.tier == "device" else sn
                           for sn in snaps)
         return snaps
+
+    def check(self, refs: Mapping[int, int], running: Set[int], waiting: list[int]) -> list[str]:
+        """This store's consistency report (adapters/store_check.py); [] when all hold."""
+        return check_store(self, refs, running, waiting)
 
     def wait_for_loads(self, timeout: float) -> None:
         """Block up to `timeout` for a disk read to finish (when nothing else can run)."""

@@ -148,6 +148,11 @@ class AsyncEngine:
     async def snapshot(self) -> M.EngineSnapshot:
         return await self._ask(M.GetSnapshot())
 
+    async def check_invariants(self):
+        """The engine's InvariantReport, taken between steps; it also checks that every
+        output stream still open belongs to a live request."""
+        return await self._ask(M.CheckInvariants())
+
     async def load_lora_adapter(self, name: str, path: str, pinned: bool = False,
                                 root: str | None = None) -> None:
         """Validate off the engine thread, then commit between steps; a failure changes
@@ -209,7 +214,10 @@ class AsyncEngine:
             self._fail_all(cmd.message, cmd.error_status)
             return
         try:
-            result, exc = self.engine.handle(cmd), None
+            if isinstance(cmd, M.CheckInvariants):
+                result, exc = self.engine.check_invariants(tuple(self._streams)), None
+            else:
+                result, exc = self.engine.handle(cmd), None
         except Exception as e:  # the caller's fault (LoraServeError) or a bad prompt
             if isinstance(cmd, M.AbortRequest):
                 log.exception("abort of %s failed", cmd.request_id)

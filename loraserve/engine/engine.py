@@ -21,6 +21,7 @@ from loraserve.adapters.stats import AdapterStats
 from loraserve.adapters.store import AdapterStore
 from loraserve.config import EngineConfig
 from loraserve.engine import messages as M
+from loraserve.engine.invariants import InvariantReport, check_engine
 from loraserve.engine.output_processor import OutputProcessor, to_output
 from loraserve.engine.runner import ModelRunner
 from loraserve.kvcache.manager import KVCacheManager
@@ -276,6 +277,11 @@ class LLMEngine:
             model_name=self.info.model_name, base_prefix_queries=self.base_prefix.prefix_queries,
             base_prefix_hits=self.base_prefix.prefix_hits, kv_blocks_cached=pool.num_cached)
 
+    def check_invariants(self, awaited: tuple[str, ...] = ()) -> InvariantReport:
+        """Every KV block, adapter refcount, slot and load accounted for (engine/invariants.py);
+        call between steps. `.raise_if_failed()` turns violations into an InvariantError."""
+        return check_engine(self, awaited)
+
     def handle(self, cmd: M.EngineCommand):
         """Apply one command between steps; its reply (or the exception it raised)."""
         match cmd:
@@ -292,6 +298,8 @@ class LLMEngine:
                 return self.unload_lora_adapter(cmd.name)
             case M.GetSnapshot():
                 return self.snapshot()
+            case M.CheckInvariants():
+                return self.check_invariants()
         raise TypeError(f"unknown engine command {cmd!r}")
 
     def shutdown(self) -> None:

@@ -62,6 +62,11 @@ class GetSnapshot:
 
 
 @dataclass(frozen=True)
+class CheckInvariants:
+    """Run the engine's invariant check between steps. Reply: an InvariantReport."""
+
+
+@dataclass(frozen=True)
 class AbortAll:
     """End every request in flight with this error (the server is shutting down)."""
 
@@ -70,7 +75,7 @@ class AbortAll:
 
 
 EngineCommand = AddRequest | AbortRequest | CheckAdapterLoad | LoadAdapter | UnloadAdapter | \
-    GetSnapshot | AbortAll
+    GetSnapshot | AbortAll | CheckInvariants
 
 
 @dataclass(frozen=True)

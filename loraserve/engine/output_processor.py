@@ -55,6 +55,10 @@ class OutputProcessor:
         self._state[req.request_id] = state
         return state
 
+    def tracked_ids(self) -> list[str]:
+        """Requests it keeps detokenizer state for (the invariant check's view)."""
+        return list(self._state)
+
     def drop(self, request_id: str) -> None:
         self._state.pop(request_id, None)
 

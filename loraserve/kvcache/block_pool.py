@@ -90,6 +90,23 @@ class BlockPool:
             del self._block_of[h]
             self.num_evictions += 1
 
+    def check(self) -> list[str]:
+        """This pool's own consistency (the invariants above); each problem in words."""
+        problems = []
+        held_free = [b for b in self._free if self.ref[b] != 0]
+        if held_free:
+            problems.append(f"KV blocks {held_free[:8]} are in the free queue with refcount > 0")
+        lost = [b for b, r in enumerate(self.ref) if r == 0 and b not in self._free]
+        if lost:
+            problems.append(f"KV blocks {lost[:8]} have refcount 0 but are not free (leaked)")
+        negative = [b for b, r in enumerate(self.ref) if r < 0]
+        if negative:
+            problems.append(f"KV blocks {negative[:8]} have a negative refcount")
+        if len(self._hash_of) != len(self._block_of) or any(
+                self._block_of.get(h) != b for b, h in self._hash_of.items()):
+            problems.append("the prefix-cache index is not one hash per block")
+        return problems
+
     def reset_cache(self) -> int:
         """Forget every cached block that no request holds. Returns how many."""
         idle = [b for b in self._hash_of if self.ref[b] == 0]

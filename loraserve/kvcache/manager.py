@@ -17,6 +17,7 @@ soon as those blocks are cached, or when their producer leaves (preempted, abort
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from loraserve.kvcache.block_pool import BlockPool
@@ -165,3 +166,32 @@ class KVCacheManager:
             extend_block_hashes(req.block_hashes, req.cache_namespace, req.all_token_ids,
                                 self.block_size, num_tokens)
         return req.block_hashes
+
+    def check(self, live: Iterable[Request]) -> list[str]:
+        """Every block is free, cached-and-free, or held by exactly as many of the `live`
+        requests (waiting and running; forks and prefix hits share) as its refcount says."""
+        problems = self.pool.check()
+        holders: Counter[int] = Counter()
+        ids = set()
+        for r in live:
+            ids.add(r.request_id)
+            holders.update(r.block_table)
+            if len(r.block_table) * self.block_size < r.num_computed_tokens:
+                problems.append(f"{r.request_id}: {r.num_computed_tokens} computed tokens "
+                                f"in {len(r.block_table)} blocks")
+            if r.num_indexed_blocks > len(r.block_table):
+                problems.append(f"{r.request_id}: more blocks indexed than held")
+        wrong = [(b, ref, holders[b]) for b, ref in enumerate(self.pool.ref)
+                 if ref != holders[b]]
+        for b, ref, n in wrong[:8]:
+            problems.append(f"KV block {b}: refcount {ref}, held by {n} live requests")
+        promised = Counter(h for hs in self._computing_by.values() for h in hs)
+        if promised != self._computing:
+            problems.append("prompt blocks in computation disagree with their producers")
+        gone = set(self._computing_by) - ids
+        if gone:
+            problems.append(f"requests no longer live still compute prompt blocks: "
+                            f"{sorted(gone)[:4]}")
+        if self.pending_copies:
+            problems.append(f"{len(self.pending_copies)} block copies left between steps")
+        return problems

@@ -97,6 +97,30 @@ class Scheduler:
                 seen.setdefault(r.adapter_uid, None)
         return list(seen)
 
+    def check(self) -> list[str]:
+        """The queues' own consistency: each live request in exactly one queue, in the state
+        that queue means; waiting ones hold no KV; the running batch within its caps."""
+        problems = []
+        ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+        if len(ids) != len(set(ids)):
+            problems.append("a request is queued twice")
+        for queue, status in ((self.running, RequestStatus.RUNNING),
+                              (self.waiting, RequestStatus.WAITING)):
+            for r in queue:
+                if r.status is not status:
+                    problems.append(f"{r.request_id} is {r.status.value} in the "
+                                    f"{status.value} queue")
+        held = [r.request_id for r in self.waiting if r.block_table]
+        if held:
+            problems.append(f"waiting requests hold KV blocks: {held[:4]}")
+        cap = self.adapters.batch_cap
+        distinct = {r.adapter_uid for r in self.running}
+        if cap is not None and len(distinct) > cap:
+            problems.append(f"{len(distinct)} distinct adapters run; the cap is {cap}")
+        if len(self.running) > self.config.max_num_seqs:
+            problems.append(f"{len(self.running)} running, over max_num_seqs")
+        return problems
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

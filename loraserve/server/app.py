@@ -86,6 +86,12 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
                           "last_error": a.last_error} for a in snap.adapters],
         })
 
+    @app.get("/debug/invariants")
+    async def debug_invariants() -> Response:
+        # A violation is our bug, but the report is the answer asked for: 200 with ok=false.
+        report = await async_engine.check_invariants()
+        return JSONResponse(report.as_dict())
+
     return app
 
 

@@ -4,9 +4,10 @@
   too). Keys are compared with `hmac.compare_digest` (constant time, CVE-2025-59425).
 - Adapter load/unload routes are off (403) unless `--admin-api-key` (then they need THAT key)
   or `--allow-runtime-lora-updates` (loopback hosts only; checked in ServerSettings).
-- What is the operator's (/debug/state, the server's file paths in /v1/models) is shown to the
-  operator only: a request bearing the admin key, or, with no admin key set, any request to a
-  server bound to a loopback host (its clients are on the operator's machine).
+- What is the operator's (/debug/state, /debug/invariants, the server's file paths in
+  /v1/models) is shown to the operator only: a request bearing the admin key, or, with no
+  admin key set, any request to a server bound to a loopback host (its clients are on the
+  operator's machine).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from loraserve.server.errors import error_bytes
 from loraserve.server.settings import ServerSettings, is_loopback
 
 OPEN_PATHS = frozenset({"/health"})
-OPERATOR_PATHS = frozenset({"/debug/state"})
+OPERATOR_PATHS = frozenset({"/debug/state", "/debug/invariants"})
 ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter",
                          "/load_lora_adapter", "/unload_lora_adapter"})
 

@@ -1,0 +1,96 @@
+"""The adapter store's consistency report (DESIGN.md §3), for the engine's invariant check.
+
+Pure: it reads the store, its slot pool and its disk loader and changes nothing. Each problem
+is one sentence; an empty list means every invariant holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Set
+from typing import TYPE_CHECKING
+
+from loraserve.adapters.eviction import pick_victim
+
+if TYPE_CHECKING:
+    from loraserve.adapters.store import AdapterStore
+
+
+def check_store(store: AdapterStore, refs: Mapping[int, int], running: Set[int],
+                waiting: list[int]) -> list[str]:
+    """`refs`: uid -> live requests holding it (forks included); `running`: the adapters of
+    running requests; `waiting`: those the waiting queue needs, in queue order."""
+    problems: list[str] = []
+    entries = store.entries
+    for uid in set(refs) | set(running) | set(waiting):
+        if uid not in entries:
+            problems.append(f"live requests use adapter uid {uid}, which the store freed")
+    for uid, e in entries.items():
+        if e.refcount != refs.get(uid, 0):
+            problems.append(f"adapter {e.name} (uid {uid}): refcount {e.refcount}, "
+                            f"{refs.get(uid, 0)} live requests")
+        if e.unloading and e.refcount == 0:
+            problems.append(f"adapter {e.name} (uid {uid}) drained but was never freed")
+        if not e.unloading and store.names.get(e.name) != uid:
+            problems.append(f"adapter {e.name} (uid {uid}) is neither registered nor unloading")
+        if e.slot is not None and e.weights is None:
+            problems.append(f"adapter {e.name} holds slot {e.slot} without host weights")
+        if store.unified and (e.slot is None) != (e.weights is None):
+            problems.append(f"adapter {e.name}: in one adapter memory, host means a slot")
+        if uid in running and e.weights is None:
+            problems.append(f"adapter {e.name} was evicted while its requests run")
+    problems += _check_slots(store)
+    problems += _check_caps(store)
+    problems += store.loader.check(set(entries))
+    problems += _check_progress(store, running, waiting)
+    return problems
+
+
+def _check_slots(store: AdapterStore) -> list[str]:
+    problems = []
+    seen: dict[int, int] = {}
+    content = store.slots.content
+    for uid, e in store.entries.items():
+        if e.slot is None:
+            continue
+        if not 0 <= e.slot < store.slots.num_slots:
+            problems.append(f"adapter {e.name} holds slot {e.slot}, out of range")
+            continue
+        if e.slot in seen:
+            problems.append(f"slot {e.slot} is held by uids {seen[e.slot]} and {uid}")
+        seen[e.slot] = uid
+        if content[e.slot] != e.fingerprint:
+            problems.append(f"slot {e.slot} holds other weights than its adapter {e.name}'s")
+    return problems
+
+
+def _check_caps(store: AdapterStore) -> list[str]:
+    problems = []
+    if store.max_loaded is not None:
+        used = store.num_host + store.loader.num_pending
+        if used > store.max_loaded:
+            problems.append(f"{store.num_host} adapters in host memory and "
+                            f"{store.loader.num_pending} loading: over max_loaded_loras="
+                            f"{store.max_loaded}")
+    limit = store.max_loaded if store.unified else store.max_loras_per_batch
+    if limit is not None and store.num_pinned > max(limit - 1, 0):
+        problems.append(f"{store.num_pinned} adapters pinned; at most {limit - 1} may be")
+    return problems
+
+
+def _check_progress(store: AdapterStore, running: Set[int], waiting: list[int]) -> list[str]:
+    """Nothing waits on a load that no worker holds: with nothing running (so nothing else
+    can free room), a waiting adapter not in host memory must be loading, or the next
+    `prepare` must be able to start its read."""
+    if running:
+        return []
+    window = [u for u in waiting[: store.lookahead] if u in store.entries]
+    cold = [u for u in window if not store.is_ready(u)]
+    if not cold or any(store.loader.is_loading(u) for u in cold):
+        return []
+    has_room = (store.max_loaded is None
+                or store.num_host + store.loader.num_pending < store.max_loaded
+                or pick_victim(store._host_entries(), set(window)) is not None)
+    if has_room:
+        return []
+    names = [store.entries[u].name for u in cold]
+    return [f"requests wait for adapters {names[:4]} that no worker loads and none can start"]
