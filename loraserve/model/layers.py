@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from loraserve.ops.elementwise import fused_for, rms_norm, rope_
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # x: [T, d]; float32 throughout (the engine runs float32 on CPU).
-    return torch.rms_norm(x, (x.shape[-1],), weight, eps)
+__all__ = ["RotaryEmbedding", "apply_rope", "rms_norm"]
 
 
 class RotaryEmbedding:
@@ -27,6 +28,18 @@ class RotaryEmbedding:
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] -> cos, sin: [T, 1, hd], broadcast over heads; computed once per step.
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def rotator(self, positions: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Once per step: a function rotating each layer's [T, heads, hd] q/k by `positions`,
+        in place by the fused kernel (it reads the tables by position), else from tables
+        gathered here once for every layer."""
+        if fused_for(self.cos) and positions.device.type == "cpu":
+            if positions.numel() and int(positions.max()) >= self.max_positions:
+                raise ValueError(f"position {int(positions.max())} is past the rope tables "
+                                 f"({self.max_positions})")
+            return lambda x: rope_(x, positions, self.cos, self.sin)
+        cos, sin = self.tables(positions)
+        return lambda x: apply_rope(x, cos, sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

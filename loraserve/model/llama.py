@@ -24,9 +24,10 @@ import torch.nn.functional as F
 
 from loraserve.config import ModelConfig, RopeScaling
 from loraserve.model.attention import AttentionBackend
-from loraserve.model.layers import RotaryEmbedding, apply_rope, rms_norm
+from loraserve.model.layers import RotaryEmbedding, rms_norm
 from loraserve.model.linear import Linear
 from loraserve.model.rope import inv_freq
+from loraserve.ops.elementwise import add_rms_norm_, silu_mul
 
 
 class LoraHook(Protocol):
@@ -59,6 +60,11 @@ class LayerWeights:
 _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
 
+def _act_mul(act, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    gate, up = gate_up.split((inter, inter), dim=-1)
+    return act(gate) * up  # [T, inter]
+
+
 class LlamaModel:
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: Linear):
@@ -72,7 +78,9 @@ class LlamaModel:
         self.kv_size = c.num_key_value_heads * c.head_dim
         self.inter = c.intermediate_size
         self.scale = c.head_dim**-0.5 if c.attn_scale is None else c.attn_scale
-        self.act = _ACTIVATIONS[c.hidden_act]
+        # act(gate) * up: fused for SiLU (ops/elementwise.py), chosen once, not per layer
+        self.act_mul = (silu_mul if c.hidden_act == "silu"
+                        else partial(_act_mul, _ACTIVATIONS[c.hidden_act]))
         # tables in the model's dtype and on its device, as embed is: [0] global, [1] local
         kw = dict(dtype=embed.dtype, device=embed.device)
         self.ropes = [RotaryEmbedding(inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
@@ -96,12 +104,15 @@ class LlamaModel:
     ) -> torch.Tensor:  # [B, V]
         c = self.config
         h = F.embedding(input_ids, self.embed)  # [T, d]
-        tables = [r.tables(positions) for r in self.ropes]  # (cos, sin) each
+        rotate = [r.rotator(positions) for r in self.ropes]  # [0] global, [1] local
         nh, kvh, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         q_size, kv_size, eps = self.q_size, self.kv_size, c.rms_norm_eps
-        res, softcap, act = c.residual_multiplier, c.attn_softcap, self.act
+        res, softcap = c.residual_multiplier, c.attn_softcap
+        first = self.layers[0].input_norm
+        x = h if first is None else rms_norm(h, first, eps)
+        # Residual adds are in place into h (a fresh tensor), each fused with the norm after
+        # it; x is h itself where a family has no norm there, and is used up before h changes.
         for li, (w, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x = h if w.input_norm is None else rms_norm(h, w.input_norm, eps)
             qkv = w.qkv(x)  # [T, q + 2kv]
             if lora is not None:
                 lora(li, "qkv", x, qkv)
@@ -114,7 +125,7 @@ class LlamaModel:
             if w.qk_norm is not None:  # per-head RMSNorm before RoPE, as Qwen3 does
                 qk = torch.rms_norm(qk, (hd,), None, eps) * w.qk_norm
             if w.rope is not None:
-                qk = apply_rope(qk, *tables[w.rope])
+                qk = rotate[w.rope](qk)
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, q_size + kv_size :].reshape(-1, kvh, hd)
             a = attention.forward(q, k, v, k_cache, v_cache, attn_meta, self.scale, w.window,
@@ -125,19 +136,18 @@ class LlamaModel:
                 lora(li, "o", a, o)
             if w.attn_out_norm is not None:
                 o = rms_norm(o, w.attn_out_norm, eps)
-            h = torch.add(h, o, alpha=res)
-            x = h if w.post_norm is None else rms_norm(h, w.post_norm, eps)
+            x = add_rms_norm_(h, o, res, w.post_norm, eps)
             gu = w.gate_up(x)  # [T, 2*inter]
             if lora is not None:
                 lora(li, "gate_up", x, gu)
-            gate, up = gu.split((self.inter, self.inter), dim=-1)
-            m = act(gate) * up  # [T, inter]
+            m = self.act_mul(gu, self.inter)  # [T, inter]
             d = w.down(m)
             if lora is not None:
                 lora(li, "down", m, d)
             if w.mlp_out_norm is not None:
                 d = rms_norm(d, w.mlp_out_norm, eps)
-            h = torch.add(h, d, alpha=res)
+            nxt = self.layers[li + 1].input_norm if li + 1 < len(self.layers) else None
+            x = add_rms_norm_(h, d, res, nxt, eps)
         h = rms_norm(h[logits_rows], self.final_norm, eps)  # only rows that sample a token
         logits = self.lm_head(h)
         if c.logits_scaling != 1.0:  # once per step, not per layer

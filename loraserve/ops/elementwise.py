@@ -1,0 +1,118 @@
+"""Fused element-wise steps of a decoder layer: the C kernels of ops/fused_cpu.c for float32
+CPU tensors (one pass over memory each), torch's ops for anything else (GPU, bf16/fp16, or
+no C compiler). Each function states the torch expression it computes.
+
+`LORASERVE_FUSED_CPU=0` (or `set_enabled(False)`) takes the torch path on CPU too: for
+comparisons (benchmarks/fused_ops_ab.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from loraserve.ops.cbuild import load_library
+
+SOURCE = Path(__file__).with_name("fused_cpu.c")
+_lock = threading.Lock()
+_lib: list[ctypes.CDLL | None] = []
+_enabled = [os.environ.get("LORASERVE_FUSED_CPU", "1") != "0"]
+
+
+def set_enabled(on: bool) -> None:
+    _enabled[0] = on
+
+
+def _load() -> ctypes.CDLL | None:
+    with _lock:
+        if not _lib:
+            lib = load_library(SOURCE, ["-ffp-contract=off"], "fused CPU element-wise ops")
+            if lib is not None:
+                i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+                lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, f32, i32]
+                lib.add_rms_norm.argtypes = [ptr, i64, ptr, i64, f32, ptr, ptr, i64, i64, i64,
+                                             f32, i32]
+                lib.silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
+                lib.rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, i32]
+                for fn in (lib.rms_norm, lib.add_rms_norm, lib.silu_mul, lib.rope):
+                    fn.restype = None
+            _lib.append(lib)
+        return _lib[0]
+
+
+def _kernel(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The C library when every tensor is a float32 CPU matrix with unit inner stride."""
+    if not _enabled[0]:
+        return None
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != torch.float32 or t.stride(-1) != 1:
+            return None
+    return _load()
+
+
+def fused_for(t: torch.Tensor) -> bool:
+    """Whether tensors like `t` take the C kernels."""
+    return _kernel(t) is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """torch.rms_norm(x, (d,), weight, eps) for x: [T, d]."""
+    lib = _kernel(x, weight)
+    if lib is None or x.dim() != 2 or not weight.is_contiguous():
+        return torch.rms_norm(x, (x.shape[-1],), weight, eps)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    lib.rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
+                 x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return out
+
+
+def add_rms_norm_(h: torch.Tensor, r: torch.Tensor, alpha: float, weight: torch.Tensor | None,
+                  eps: float) -> torch.Tensor:
+    """h.add_(r, alpha=alpha) in place, then rms_norm(h, weight, eps) (h itself when weight is
+    None): the residual add and the next norm in one pass. h, r: [T, d]."""
+    lib = _kernel(h, r) if weight is None else _kernel(h, r, weight)
+    if lib is None or h.dim() != 2 or (weight is not None and not weight.is_contiguous()):
+        h.add_(r, alpha=alpha)
+        return h if weight is None else torch.rms_norm(h, (h.shape[-1],), weight, eps)
+    out = h if weight is None else torch.empty(h.shape, dtype=h.dtype)
+    lib.add_rms_norm(h.data_ptr(), h.stride(0), r.data_ptr(), r.stride(0), alpha,
+                     None if weight is None else weight.data_ptr(), out.data_ptr(),
+                     out.stride(0), h.shape[0], h.shape[1], eps, torch.get_num_threads())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """F.silu(gate) * up, where gate, up = gate_up.split(inter, dim=-1): [T, 2*inter] -> [T,
+    inter]."""
+    lib = _kernel(gate_up)
+    if lib is None:
+        gate, up = gate_up.split((inter, inter), dim=-1)
+        return F.silu(gate) * up
+    out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype)
+    lib.silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0),
+                 gate_up.shape[0], inter, torch.get_num_threads())
+    return out
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+          sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in place, rotate-half layout: x = x * cos[p] + rotate_half(x) * sin[p]
+    with p = positions[t] for token t. x: [T, heads, hd] (heads adjacent in a row, as views of
+    a fused qkv output are); cos, sin: [P, hd] tables; positions: int64 [T]."""
+    lib = _kernel(x, cos, sin)
+    if (lib is None or x.stride(1) != x.shape[2] or not (cos.is_contiguous()
+                                                           and sin.is_contiguous())
+            or positions.dtype != torch.int64 or not positions.is_contiguous()):
+        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        x.copy_(x * c + rotated * s)
+        return x
+    lib.rope(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], x.shape[2],
+             positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
+    return x
