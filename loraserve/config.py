@@ -197,7 +197,14 @@ class EngineConfig:
               "device's (cpu on a CPU)", ATTENTION_BACKEND_NAMES)
     allow_pickle_adapters: bool = knob(
         False, "also read adapter_model.bin (pickle: can run code from the file)")
-    kv_cache_tokens: int = knob(32768, "KV cache size in tokens")
+    kv_cache_tokens: int | None = knob(
+        None, "KV cache size in tokens (default: kv_cache_memory when given, else 32768 on "
+              "CPU and what gpu_memory_utilization leaves on a GPU)")
+    kv_cache_memory: int | None = knob(
+        None, "KV cache size in bytes, every layer's K and V (instead of kv_cache_tokens)")
+    gpu_memory_utilization: float = knob(
+        0.9, "on a GPU: the share of its memory for this engine (weights, LoRA slots, one "
+             "step's activations, KV cache); the KV cache gets what the rest leave")
     block_size: int = knob(16, "tokens per KV cache block")
     max_num_seqs: int = knob(128, "sequences in one step")
     max_num_batched_tokens: int = knob(
@@ -240,8 +247,14 @@ class EngineConfig:
             raise ValueError("max_loras_prefetch must be >= 0")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
-        if self.kv_cache_tokens < self.block_size:
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError("kv_cache_tokens must hold at least one block")
+        if self.kv_cache_tokens is not None and self.kv_cache_memory is not None:
+            raise ValueError("give kv_cache_tokens or kv_cache_memory, not both")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError("kv_cache_memory must be a positive number of bytes")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
         for name in ("max_num_seqs", "max_num_batched_tokens", "starvation_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -22,6 +22,7 @@ from loraserve.adapters.store import AdapterStore
 from loraserve.config import EngineConfig
 from loraserve.engine import messages as M
 from loraserve.engine.invariants import InvariantReport, check_engine
+from loraserve.engine.kv_sizing import size_kv_cache
 from loraserve.engine.output_processor import OutputProcessor, to_output
 from loraserve.engine.runner import ModelRunner
 from loraserve.kvcache.manager import KVCacheManager
@@ -78,8 +79,6 @@ class LLMEngine:
         self.model_config = mc = self.model.config
         self.tokenizer = Tokenizer(self.model_path)
         self.max_model_len = min(c.max_model_len or 10**9, mc.max_position_embeddings)
-        num_blocks = c.kv_cache_tokens // c.block_size
-        self.kv = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching)
         unified = c.lora_memory == "unified" or (c.lora_memory == "auto"
                                                  and self.device.type == "cpu")
         # unified: the pool grows as adapters arrive (store._settle), from a few slots
@@ -87,6 +86,10 @@ class LLMEngine:
         lora_dtype = self.dtype if c.lora_dtype == "auto" else c.lora_torch_dtype
         self.slot_pool = LoraSlotPool(mc, first, c.max_lora_rank, dtype=lora_dtype,
                                       device=self.device)
+        # after the weights and the slot pool: on a GPU the cache gets what they leave
+        self.kv_sizing = size_kv_cache(c, mc, self.device, self.dtype)
+        num_blocks = self.kv_sizing.tokens // c.block_size
+        self.kv = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching)
         self.store = AdapterStore(self.slot_pool, DiskLoader(self.read_adapter),
                                   max_loras_per_batch=c.max_loras_per_batch,
                                   max_loaded_loras=c.max_loaded_loras,
