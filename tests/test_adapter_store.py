@@ -36,6 +36,9 @@ class FakeSlots:
         self.content[slot] = w.fingerprint
         self.writes += 1
 
+    def before_step(self, slots) -> None:
+        self.read_by_step = sorted(slots)  # on a GPU: the step waits for these slots' copies
+
 
 class FakeLoader:
     """Disk reads that finish when the test says so; as in DiskLoader, a finished read counts
@@ -197,6 +200,7 @@ def test_can_bind_counts_pinned_slots_and_bind_fully_rewrites():
     assert store.can_bind({a.uid}) and not store.can_bind({a.uid, b.uid})
     slots = store.bind({a.uid})
     assert store.slots.content[slots[a.uid]] == "a"
+    assert store.slots.read_by_step == [slots[a.uid]]  # the step is ordered after its copy
     store.bind({b.uid})  # evicts a's slot (p is pinned)
     assert a.slot is None and a.stats.slot_evictions == 1 and store.slots.content[b.slot] == "b"
     assert store.can_bind(set()) and store.slot_owner.count(None) == 0

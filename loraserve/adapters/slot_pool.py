@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from loraserve.adapters.slot_copies import StreamSlotCopies
 from loraserve.config import ModelConfig
 from loraserve.lora.layout import (
     GROUP_NAMES,
@@ -58,6 +59,7 @@ class LoraSlotPool:
         max_lora_rank: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        copies: StreamSlotCopies | None = None,
     ) -> None:
         if num_slots < 1 or max_lora_rank < 1:
             raise ValueError("num_slots and max_lora_rank must be >= 1")
@@ -87,6 +89,9 @@ class LoraSlotPool:
         # the fingerprint of the weights each slot holds (None: cleared), so the store's
         # record of who owns a slot can be checked against what the slot really holds
         self.content: list[str | None] = [None] * num_slots
+        # GPU: slots are packed on the host and copied on a side stream (slot_copies.py)
+        self.copies = copies if copies is not None or self.device.type != "cuda" else (
+            StreamSlotCopies(self.device))
 
     @property
     def nbytes(self) -> int:
@@ -114,6 +119,8 @@ class LoraSlotPool:
         grows the pool only between steps."""
         if num_slots <= self.num_slots:
             return
+        if self.copies is not None:
+            self.copies.drain()  # copies in flight target the tensors replaced here
         for per_layer in (self.A, self.B):
             for d in per_layer:
                 for g, t in d.items():
@@ -128,6 +135,7 @@ class LoraSlotPool:
 
     def clear(self, slot: int) -> None:
         self._check_slot(slot)
+        self.before_step([slot])  # after any copy into it
         self._zero(slot)
         self._ranks[slot] = dict.fromkeys(GROUP_NAMES, 0)
         self._parts[slot] = dict.fromkeys(GROUP_NAMES, ())
@@ -141,10 +149,20 @@ class LoraSlotPool:
         parts = {g: self._plan_parts(g, mod_ranks) for g in GROUP_NAMES}
         where = {m: part for g in GROUP_NAMES for m, part in parts[g].items()}
         ranks = {g: max((p[1] for p in parts[g].values()), default=0) for g in GROUP_NAMES}
-        self._zero(slot)  # rows and blocks the new adapter does not fill must read as zero
+        # rows and blocks the new adapter does not fill must read as zero: the slot's own rows
+        # zeroed on CPU, zeroed staging rows copied over all of it on a GPU
+        if self.copies is None:
+            self._zero(slot)
+            rows = [{g: (self.A[layer][g][slot], self.B[layer][g][slot]) for g in GROUP_NAMES}
+                    for layer in range(len(self.A))]
+        else:
+            rows = [{g: (self.copies.staging(self.A[layer][g].shape[1], self.dtype),
+                         self.copies.staging(self.B[layer][g].shape[1], self.dtype))
+                     for g in GROUP_NAMES} for layer in range(len(self.A))]
         for layer, mods in enumerate(weights.layers):
+            dev = rows[layer][GROUP_NAMES[0]][0].device
             a_t = {g: torch.zeros(self.layouts[g].d_in, padded_rank(r), dtype=self.dtype,
-                                  device=self.device)
+                                  device=dev)
                    for g, r in ranks.items() if r}  # the group's packed A.T, [d_in, r]
             for m, mw in mods.items():
                 r = mw.A.shape[0]
@@ -153,18 +171,29 @@ class LoraSlotPool:
                 g = MODULE_TO_GROUP[m]
                 o0, o1, c0, c1, boff = where[m]
                 a_t[g][:, o0 : o0 + r].copy_(mw.A.T)
-                block = self.B[layer][g][slot, boff : boff + (o1 - o0) * (c1 - c0)]
+                block = rows[layer][g][1][boff : boff + (o1 - o0) * (c1 - c0)]
                 bt = mw.B.T  # [r, d_out]; rows past this layer's rank stay zero
                 for s0, w, off in b_strips(o1 - o0, c1 - c0):
                     block[off : off + (o1 - o0) * w].view(o1 - o0, w)[:r].copy_(bt[:, s0 : s0 + w])
             for g, full in a_t.items():
                 d_in = self.layouts[g].d_in
                 for t0, w, off in a_tiles(ranks[g], d_in):
-                    self.A[layer][g][slot, off : off + d_in * w].view(d_in, w).copy_(
+                    rows[layer][g][0][off : off + d_in * w].view(d_in, w).copy_(
                         full[:, t0 : t0 + w])
+        if self.copies is not None:
+            self.copies.write(slot, [(dev_row, host_row) for layer, per_g in enumerate(rows)
+                                     for g, pair in per_g.items()
+                                     for dev_row, host_row in zip(
+                                         (self.A[layer][g][slot], self.B[layer][g][slot]),
+                                         pair, strict=True)])
         self._ranks[slot] = ranks
         self._parts[slot] = {g: tuple(parts[g].values()) for g in GROUP_NAMES}
         self.content[slot] = weights.fingerprint
+
+    def before_step(self, slots) -> None:
+        """A step is about to read `slots`: order it after their copies (GPU; else nothing)."""
+        if self.copies is not None:
+            self.copies.before_step(slots)
 
     # -- internals ---------------------------------------------------------------------------
 

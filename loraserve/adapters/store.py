@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Mapping, Set
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import replace
 from typing import Protocol
 
@@ -54,6 +54,8 @@ class SlotPool(Protocol):
     def write(self, slot: int, weights: LoraAdapterWeights) -> None: ...
 
     def grow(self, num_slots: int) -> None: ...
+
+    def before_step(self, slots: Iterable[int]) -> None: ...
 
 
 class AdapterStore:
@@ -293,6 +295,7 @@ class AdapterStore:
                     raise RuntimeError("no LoRA slot to evict: admission should have refused")
                 self._fill_slot(e, slot)
             out[uid] = e.slot
+        self.slots.before_step(out.values())  # GPU: the step waits for their copies
         return out
 
     def _free_or_evict_slot(self, protected: Set[int]) -> int | None:
@@ -346,7 +349,8 @@ class AdapterStore:
                           for sn in snaps)
         return snaps
 
-    def check(self, refs: Mapping[int, int], running: Set[int], waiting: list[int]) -> list[str]:
+    def check(self, refs: Mapping[int, int], running: Set[int],
+              waiting: list[int | None]) -> list[str]:
         """This store's consistency report (adapters/store_check.py); [] when all hold."""
         return check_store(self, refs, running, waiting)
 
