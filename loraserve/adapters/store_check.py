@@ -18,10 +18,11 @@ if TYPE_CHECKING:
 def check_store(store: AdapterStore, refs: Mapping[int, int], running: Set[int],
                 waiting: list[int]) -> list[str]:
     """`refs`: uid -> live requests holding it (forks included); `running`: the adapters of
-    running requests; `waiting`: those the waiting queue needs, in queue order."""
+    running requests; `waiting`: each waiting request's adapter (None: base), in queue
+    order."""
     problems: list[str] = []
     entries = store.entries
-    for uid in set(refs) | set(running) | set(waiting):
+    for uid in set(refs) | set(running) | set(waiting) - {None}:
         if uid not in entries:
             problems.append(f"live requests use adapter uid {uid}, which the store freed")
     for uid, e in entries.items():
@@ -77,13 +78,15 @@ def _check_caps(store: AdapterStore) -> list[str]:
     return problems
 
 
-def _check_progress(store: AdapterStore, running: Set[int], waiting: list[int]) -> list[str]:
-    """Nothing waits on a load that no worker holds: with nothing running (so nothing else
-    can free room), a waiting adapter not in host memory must be loading, or the next
-    `prepare` must be able to start its read."""
-    if running:
+def _check_progress(store: AdapterStore, running: Set[int],
+                    waiting: list[int | None]) -> list[str]:
+    """Nothing waits on a load that no worker holds: when no request runs or can run (so
+    none will end and free host room), a waiting adapter not in host memory must be
+    loading, or the next `prepare` must be able to start its read."""
+    if running or any(u is None or store.is_ready(u) for u in waiting):
         return []
-    window = [u for u in waiting[: store.lookahead] if u in store.entries]
+    queue = list(dict.fromkeys(u for u in waiting if u in store.entries))
+    window = queue[: store.lookahead]
     cold = [u for u in window if not store.is_ready(u)]
     if not cold or any(store.loader.is_loading(u) for u in cold):
         return []

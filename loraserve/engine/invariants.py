@@ -79,7 +79,8 @@ def check_engine(engine: LLMEngine, awaited: Iterable[str] = ()) -> InvariantRep
             problems.append(f"{r.request_id} forks from a parent that does not know it")
     problems += kv.check(live)
     refs = Counter(r.adapter_uid for r in live if r.adapter_uid is not None)
-    problems += store.check(refs, sched.running_adapters(), sched.waiting_adapters())
+    problems += store.check(refs, sched.running_adapters(),
+                            [r.adapter_uid for r in sched.waiting])
     entries = store.entries.values()
     return InvariantReport(
         violations=tuple(problems), requests=len(live),

@@ -1,0 +1,141 @@
+"""Property-based test (hypothesis, stateful) of the adapter store (issue 16), with a fake slot
+pool and a fake disk loader (tests/test_adapter_store.py): random sequences of load / unload /
+pin / acquire (a request, forks included) / release / prepare / finish or break a disk read /
+bind keep every invariant of the store's own check (refcounts equal live requests, slots hold
+their adapter's weights, host and pin caps, no stuck or orphan loads), in both tiered and
+unified (one adapter memory) mode. Also: a running adapter keeps its host weights, a pinned
+one is never evicted, and a failed load or register changes nothing."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from test_adapter_store import FakeLoader, FakeSlots, weights
+
+from loraserve.adapters.store import AdapterStore
+from loraserve.types import LoraServeError
+
+NAMES = [f"n{i}" for i in range(6)]
+
+
+class GrowingSlots(FakeSlots):
+    def grow(self, num_slots: int) -> None:
+        self.content += [None] * (num_slots - self.num_slots)
+        self.num_slots = max(self.num_slots, num_slots)
+
+    def before_step(self, slots) -> None:  # GPU slot copies: nothing to wait for here
+        pass
+
+
+class CheckedLoader(FakeLoader):
+    def check(self, uids):
+        return [f"orphan load {u}" for u in self.pending if u not in uids]
+
+
+class StoreMachine(RuleBasedStateMachine):
+    unified = False
+
+    def __init__(self):
+        super().__init__()
+        self.loader = CheckedLoader()
+        self.store = AdapterStore(GrowingSlots(3), self.loader, max_loras_per_batch=3,
+                                  max_loaded_loras=4, max_loras_prefetch=1,
+                                  unified=self.unified)
+        self.live: list[int] = []  # one acquired uid per live request
+        self.running: set[int] = set()  # adapters bound for running requests
+        self.pinned_resident: set[int] = set()
+
+    def _state(self):
+        s = self.store
+        return (dict(s.names), {u: (e.weights is not None, e.slot, e.pinned, e.refcount)
+                                for u, e in s.entries.items()})
+
+    @rule(name=st.sampled_from(NAMES), pinned=st.booleans(), new_weights=st.booleans())
+    def load(self, name, pinned, new_weights):
+        path = f"/p/{name}" + ("-v2" if new_weights else "")
+        before = self._state()
+        try:
+            self.store.register(name, path, weights(path.rsplit("/", 1)[1]), pinned,
+                                in_use=self.running)
+        except LoraServeError:  # conflict, pin cap, host full of busy adapters
+            assert self._state() == before, "a refused load changed the store"
+
+    @precondition(lambda self: self.store.names)
+    @rule(i=st.integers(0, 50))
+    def unload(self, i):
+        names = sorted(self.store.names)
+        self.store.unregister(names[i % len(names)])
+
+    @precondition(lambda self: self.store.names)
+    @rule(i=st.integers(0, 50), forks=st.integers(1, 3))
+    def request(self, i, forks):
+        names = sorted(self.store.names)
+        for _ in range(forks):  # n > 1: each sequence holds the adapter itself
+            self.live.append(self.store.acquire(names[i % len(names)]))
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 50))
+    def end_request(self, i):
+        uid = self.live.pop(i % len(self.live))
+        if uid not in self.live:
+            self.running.discard(uid)
+        self.store.release(uid)
+
+    @rule()
+    def prepare(self):
+        waiting = [u for u in dict.fromkeys(self.live) if u not in self.running]
+        failed = self.store.prepare(in_use=self.running, upcoming=waiting)
+        for uid in failed:  # the engine fails the waiting requests of a failed load
+            while uid in self.live and uid not in self.running:
+                self.live.remove(uid)
+                self.store.release(uid)
+
+    @precondition(lambda self: self.loader.pending)
+    @rule(i=st.integers(0, 50), broken=st.booleans())
+    def finish_read(self, i, broken):
+        todo = sorted(self.loader.pending)
+        uid = todo[i % len(todo)]
+        if broken:
+            self.loader.broken.add(self.loader.pending[uid])
+        self.loader.finish(uid)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def bind(self, data):
+        ready = sorted({u for u in self.live if self.store.is_ready(u)})
+        if not ready:
+            return
+        want = set(data.draw(st.lists(st.sampled_from(ready), max_size=3)))
+        if self.store.can_bind(self.running | want):
+            got = self.store.bind(self.running | want)
+            assert set(got) == self.running | want
+            assert len(set(got.values())) == len(got), "two adapters share a slot"
+            self.running |= want
+
+    @invariant()
+    def consistent(self):
+        s = self.store
+        waiting = [u for u in dict.fromkeys(self.live) if u not in self.running]
+        assert s.check(Counter(self.live), self.running, waiting) == []
+        for uid, e in s.entries.items():
+            if e.pinned and e.weights is not None:
+                self.pinned_resident.add(uid)
+            if uid in self.pinned_resident:
+                assert e.weights is not None, "a pinned adapter was evicted"
+            if uid in self.running:
+                assert e.weights is not None, "a running adapter lost its weights"
+
+
+class UnifiedStoreMachine(StoreMachine):
+    unified = True
+
+
+SETTINGS = settings(max_examples=80, stateful_step_count=40, deadline=None,
+                    suppress_health_check=list(HealthCheck))
+StoreMachine.TestCase.settings = SETTINGS
+UnifiedStoreMachine.TestCase.settings = SETTINGS
+test_tiered_store_under_random_operations = StoreMachine.TestCase
+test_unified_store_under_random_operations = UnifiedStoreMachine.TestCase
