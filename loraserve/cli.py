@@ -135,13 +135,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from loraserve.engine.async_engine import AsyncEngine
     from loraserve.engine.engine import LLMEngine
+    from loraserve.paths import describe_os_error
     from loraserve.server.app import create_app
     from loraserve.server.shutdown import GracefulServer
     from loraserve.types import LoraServeError
 
     try:
         engine = LLMEngine(args.model, config)
-    except (OSError, ValueError) as e:  # no such model, not a checkpoint, unsupported
+    except OSError as e:  # no such model; an unusable cache directory
+        raise usage_error("serve", describe_os_error(e)) from e
+    except ValueError as e:  # not a checkpoint, unsupported
         raise usage_error("serve", str(e)) from e
     for name, path in adapters.items():
         try:
