@@ -17,6 +17,7 @@ from loraserve.server.auth import AuthMiddleware
 from loraserve.server.context import ServerContext
 from loraserve.server.errors import install_error_handlers
 from loraserve.server.limits import BodyLimitMiddleware
+from loraserve.server.openapi import openapi_schema
 from loraserve.server.settings import ServerSettings
 
 
@@ -85,6 +86,10 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
                           "refcount": a.refcount, "registered": a.registered,
                           "last_error": a.last_error} for a in snap.adapters],
         })
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> Response:
+        return JSONResponse(openapi_schema(app))
 
     @app.get("/debug/invariants")
     async def debug_invariants() -> Response:
