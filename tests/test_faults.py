@@ -118,3 +118,41 @@ b._convert = _no_space
         assert last.startswith("loraserve serve: the cache directory") and why in last
         assert "LORASERVE_CACHE" in last
     assert not list((tmp_path / "cache" / "models").glob(".*tmp-*")), "a half-written entry"
+
+
+@pytest.mark.parametrize("lora_memory", ["tiered", "unified"])
+def test_loading_while_host_memory_is_busy_registers_on_disk(tiny_model_dir, tmp_path,
+                                                             lora_memory):
+    # Found by the soak: with every host slot held by running requests a runtime load was a
+    # 503, so a reload under traffic lost the name. Now it registers (validated) on disk.
+    paths = {n: make_peft_adapter(tiny_model_dir, tmp_path / n, r=4, seed=40 + i)
+             for i, n in enumerate("abc")}
+    alone = LLM(str(tiny_model_dir), lora_paths={"c": str(paths["c"])})
+    want = gen(alone, [P1], ["c"])
+    llm = LLM(str(tiny_model_dir), lora_memory=lora_memory, max_loaded_loras=2,
+              lora_paths={n: str(paths[n]) for n in "ab"})
+    eng = llm.engine
+    running = [eng.add_request(P2, greedy(8), n) for n in "ab"]
+    eng.step()
+    llm.load_lora_adapter("c", str(paths["c"]))
+    store = eng.store
+    assert store.entries[store.names["c"]].tier == "disk"
+    eng.check_invariants().raise_if_failed()
+    later = eng.add_request(P1, greedy(6), "c")
+    outs = {}
+    while eng.has_work:
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    assert all(outs[r.request_id].error is None for r in running)
+    assert outs[later.request_id].token_ids == want[0]
+    with pytest.raises(Exception, match="pinned or in use"):  # a pin needs host room now
+        eng.add_request(P2, greedy(30), "a")
+        eng.add_request(P2, greedy(30), "b")
+        eng.step()
+        llm.load_lora_adapter("p", str(paths["a"]), pinned=True)
+    assert_idle_after(eng)
+
+
+def assert_idle_after(eng):
+    while eng.has_work:
+        eng.step()
+    assert_idle(eng)

@@ -125,17 +125,23 @@ class AdapterStore:
             return entry
         if weights is None:
             raise ValueError("a new adapter needs its weights")
-        if not self._make_host_room(protected=in_use):
+        # Host memory full of adapters in use: a pinned one must be resident (503, retry);
+        # any other is registered on disk and read back when a request needs it, as after
+        # an eviction (its files were validated already).
+        resident = self._make_host_room(protected=in_use)
+        if not resident and pinned:
             raise AdapterBusyError(
-                f"cannot load {name!r} now: host memory holds max_loaded_loras="
+                f"cannot pin {name!r} now: host memory holds max_loaded_loras="
                 f"{self.max_loaded} adapters that are all pinned or in use; retry shortly")
         entry = AdapterEntry(uid=next(self._uids), name=name, path=str(path),
                              fingerprint=weights.fingerprint, pinned=pinned,
                              last_used=next(self._tick))
-        self._settle(entry, weights)  # may refuse the weights (slot checks): nothing changed yet
+        if resident:
+            self._settle(entry, weights)  # may refuse the weights: nothing changed yet
         self.entries[entry.uid] = entry
         self.names[name] = entry.uid
-        log.info("adapter %s loaded (uid %d, rank %d, %s)", name, entry.uid, weights.rank, path)
+        log.info("adapter %s loaded (uid %d, rank %d, %s%s)", name, entry.uid, weights.rank,
+                 path, "" if resident else "; on disk until used: host memory is busy")
         return entry
 
     def unregister(self, name: str) -> None:
