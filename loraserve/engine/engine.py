@@ -32,6 +32,7 @@ from loraserve.model.attention import create_attention_backend
 from loraserve.model.bundled import resolve_model_path
 from loraserve.model.loader import load_model
 from loraserve.model.tokenizer import Tokenizer
+from loraserve.ops.native_memory import MemoryTrimmer
 from loraserve.request import Request
 from loraserve.scheduler.batch import ScheduledBatch, StepOutput
 from loraserve.scheduler.scheduler import Scheduler
@@ -114,6 +115,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.base_prefix = AdapterStats()  # the base model's prefix-cache counters
+        self.trimmer = MemoryTrimmer()  # adapter churn frees across threads: give pages back
 
     # --- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -133,6 +135,7 @@ class LLMEngine:
                 sched.finish(req, FinishReason.STOP)
         elif sched.waiting and not sched.running:
             store.wait_for_loads(timeout=0.05)  # only an adapter load can make progress
+        self.trimmer.maybe_trim()
         return [self._output(r) for r in ended + sampled]
 
     def _execute(self, batch: ScheduledBatch, slots: dict[int, int]) -> tuple[StepOutput,
