@@ -64,9 +64,11 @@ def test_lookalike_and_base_model_names_are_refused(setup):
     assert len(ids) == len(set(ids))
 
 
-def test_load_that_must_wait_is_a_503_with_retry_after(setup, tiny_model_dir):
+def test_load_while_host_memory_is_busy_registers_on_disk(setup, tiny_model_dir):
+    # Was a 503 (retry): under steady traffic an unload + reload then lost the name for good
+    # (issue 16's soak). Now the validated adapter is registered on disk and read when used;
+    # a load that must pin (be resident) is still a 503 with Retry-After (tests/test_faults.py).
     import threading
-    import time
 
     server, root, good, _ = setup
     other = make_peft_adapter(tiny_model_dir, root / "other", r=4, seed=9)
@@ -78,14 +80,9 @@ def test_load_that_must_wait_is_a_503_with_retry_after(setup, tiny_model_dir):
         server.wait_busy()  # 'good' is in use and host memory holds one adapter
         r = server.post("/v1/load_lora_adapter", {"lora_name": "other", "lora_path": str(other)})
         assert not done.is_set(), "the long request ended before the load was tried"
-        assert_error(r, 503, "retry shortly")
-        assert r.headers["retry-after"] == "1"
+        assert r.status_code == 200, r.text
+        assert {c["id"]: c["tier"] for c in r.json()["data"]}["other"] == "disk"
     finally:
         t.join(120)
-    deadline = time.monotonic() + 30
-    while True:  # once it is released, the same load succeeds
-        r = server.post("/v1/load_lora_adapter", {"lora_name": "other", "lora_path": str(other)})
-        if r.status_code != 503 or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+    r = server.post("/v1/completions", {"model": "other", "prompt": [5, 6], "max_tokens": 2})
     assert r.status_code == 200, r.text
