@@ -139,3 +139,30 @@ StoreMachine.TestCase.settings = SETTINGS
 UnifiedStoreMachine.TestCase.settings = SETTINGS
 test_tiered_store_under_random_operations = StoreMachine.TestCase
 test_unified_store_under_random_operations = UnifiedStoreMachine.TestCase
+
+
+def test_a_slot_refusing_reloaded_weights_fails_only_that_adapter():
+    # Registered on disk while host memory was busy, an adapter is first packed when a
+    # request reads it back; if the slot pool refuses the weights then, that load fails
+    # (its requests get the error), the store stays consistent, the engine step goes on.
+    class Refusing(GrowingSlots):
+        def write(self, slot, w):
+            if w.fingerprint == "bad":
+                raise ValueError("layer 0 q_proj: rank 99 exceeds max_lora_rank 64")
+            super().write(slot, w)
+
+    loader = CheckedLoader()
+    store = AdapterStore(Refusing(2), loader, max_loras_per_batch=2, max_loaded_loras=1,
+                         unified=True)
+    ok = store.register("ok", "/p/ok", weights("ok"))
+    busy = store.acquire("ok")
+    bad = store.register("bad", "/p/bad", weights("bad"), in_use={busy})
+    assert bad.tier == "disk"
+    store.release(busy)
+    uid = store.acquire("bad")
+    store.prepare(in_use=set(), upcoming=[uid])
+    loader.finish(uid)
+    failed = store.prepare(in_use=set(), upcoming=[uid])
+    assert "exceeds max_lora_rank" in failed[uid] and bad.tier == "disk"
+    store.release(uid)
+    assert store.check(Counter(), set(), []) == [] and ok.uid in store.entries

@@ -217,12 +217,16 @@ class AdapterStore:
                 # Same uid must mean same weights (uid-keyed caches rely on it).
                 err = (f"the files at {entry.path} changed on disk since it was loaded; "
                        "unload and load it again")
+            if err is None:
+                try:  # one adapter memory: packed now; a refusal fails its requests only
+                    self._settle(entry, weights)
+                except ValueError as e:
+                    err = str(e)
             if err is not None:
                 entry.last_error = err  # the operator's view, paths included
                 failed[uid] = f"adapter {entry.name!r} failed to load: {entry.public_error(err)}"
                 log.warning("adapter %s failed to load: %s", entry.name, err)
                 continue
-            self._settle(entry, weights)
             entry.last_error = None
             entry.stats.record_load(secs)
             log.info("adapter %s reloaded into host memory in %.3fs", entry.name, secs)
