@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 
-from loraserve.config import EngineConfig
+from loraserve.config import ClusterConfig, EngineConfig
 
 _TYPES = {"int": int, "float": float, "str": str}
 
@@ -68,6 +68,11 @@ def add_engine_args(p: argparse.ArgumentParser, exclude: frozenset[str] = frozen
     g = p.add_argument_group("engine")
     fields = [f for f in dataclasses.fields(EngineConfig) if f.name not in exclude]
     p.set_defaults(engine_fields=tuple(f.name for f in fields))
+    _add_config_flags(g, fields)
+
+
+def _add_config_flags(g: argparse._ArgumentGroup, fields: list[dataclasses.Field]) -> None:
+    """One flag per frozen-config field (--field-name): its default and help from the field."""
     for f in fields:
         flag = "--" + f.name.replace("_", "-")
         help_text = f.metadata.get("help", "")
@@ -81,6 +86,19 @@ def add_engine_args(p: argparse.ArgumentParser, exclude: frozenset[str] = frozen
         base = str(f.type).split("|")[0].strip()  # "int | None" -> int
         g.add_argument(flag, type=_TYPES[base], default=f.default,
                        choices=f.metadata.get("choices"), help=help_text)
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    """One flag per ClusterConfig field: scale-out over Ray Serve (loraserve/cluster/)."""
+    _add_config_flags(p.add_argument_group("cluster"), list(dataclasses.fields(ClusterConfig)))
+
+
+def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ClusterConfig)}
+    try:
+        return ClusterConfig(**values)
+    except ValueError as e:
+        raise usage_error(args.command, str(e)) from e
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -130,6 +148,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     adapters = _lora_paths(args.lora_paths)
     _precheck_serve(args, adapters)
+    cluster = cluster_config_from_args(args)
+    if cluster.enabled:
+        return _serve_cluster(args, settings, config, cluster, adapters)
 
     import uvicorn
 
@@ -160,6 +181,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             h11_max_incomplete_event_size=H11_MAX_EVENT_BYTES)
     GracefulServer(config, app.state.ctx, args.shutdown_timeout).run()
     return 0
+
+
+def _serve_cluster(args, settings, config, cluster, adapters: dict[str, str]) -> int:
+    """N replicas behind one ingress (Ray Serve); Ray is imported only on this path."""
+    try:
+        from loraserve.cluster.launch import serve_cluster
+        from loraserve.cluster.spec import ClusterSpec
+    except ImportError as e:
+        raise usage_error("serve", f"--replicas/--ray-address need Ray Serve: pip install "
+                                   f"'loraserve[cluster]' ({e})") from e
+    spec = ClusterSpec(model=args.model, engine=config, settings=settings, cluster=cluster,
+                       adapters=tuple(adapters.items()))
+    return serve_cluster(spec, args.host, args.port)
 
 
 def _version() -> str:
@@ -212,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=_HelpFormatter)
     add_engine_args(s)
     add_server_args(s)
+    add_cluster_args(s)
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="load generator against an OpenAI-compatible server",

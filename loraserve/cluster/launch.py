@@ -1,0 +1,66 @@
+"""`loraserve serve --replicas N` / `--ray-address ADDR`: Ray, Serve, the app, until a signal.
+
+Without --ray-address a local Ray instance is started with a small footprint (no dashboard, a
+small object store: only requests and answers cross it) sized to the replicas asked for; with
+it, the command joins that cluster and Ray places the replicas where CPUs are free.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import threading
+
+from loraserve.cluster.spec import APP_NAME, ClusterSpec
+
+log = logging.getLogger("loraserve.cluster")
+OBJECT_STORE_BYTES = 128 * 1024 * 1024  # Ray's floor is 75 MiB
+
+
+def start_ray(spec: ClusterSpec, log_to_driver: bool = True) -> None:
+    import ray
+
+    cl = spec.cluster
+    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
+    if cl.ray_address:
+        ray.init(address=cl.ray_address, runtime_env=env, log_to_driver=log_to_driver)
+        return
+    cpus = max(os.cpu_count() or 1, math.ceil(cl.replicas * cl.replica_cpus))
+    ray.init(num_cpus=cpus, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
+             runtime_env=env, log_to_driver=log_to_driver)
+
+
+def deploy(spec: ClusterSpec, host: str, port: int, name: str = APP_NAME) -> None:
+    """Start Serve's HTTP proxy on host:port and run the app (returns once it is ready)."""
+    from ray import serve
+
+    from loraserve.cluster.app import build_from_spec
+
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_from_spec(spec), name=name, route_prefix="/", blocking=False)
+
+
+def serve_cluster(spec: ClusterSpec, host: str, port: int) -> int:
+    import ray
+    from ray import serve
+
+    start_ray(spec)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        deploy(spec, host, port)
+        log.info("serving %d replicas on http://%s:%d (routing: %s)", spec.cluster.replicas,
+                 host, port, spec.cluster.routing)
+        stop.wait()
+    finally:
+        log.info("shutting down the replicas")
+        if spec.cluster.ray_address:  # someone else's cluster: take only our app away
+            try:
+                serve.delete(APP_NAME)
+            except Exception as e:  # the cluster may be gone already
+                log.warning("could not delete the app: %s", e)
+        ray.shutdown()  # a local instance goes with it, replicas and all
+    return 0

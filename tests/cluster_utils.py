@@ -1,0 +1,101 @@
+"""Test helper: one small local Ray instance running the loraserve cluster app, and direct
+calls to a single engine replica (to set up states the ingress would never create)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+from server_utils import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+APP = "loraserve-test"
+
+
+class LocalCluster:
+    """Ray (2 CPUs, no dashboard, a small object store) + Serve + the app on a free port."""
+
+    def __init__(self, spec):
+        import ray
+
+        from loraserve.cluster.launch import OBJECT_STORE_BYTES, deploy
+
+        self.spec = spec
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        ray.init(num_cpus=max(2, spec.cluster.replicas), include_dashboard=False,
+                 object_store_memory=OBJECT_STORE_BYTES, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO),
+                                           "TOKENIZERS_PARALLELISM": "false"}})
+        deploy(spec, "127.0.0.1", self.port, name=APP)
+        self.wait_replicas(spec.cluster.replicas)
+
+    def stop(self) -> None:
+        import ray
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+
+    # --- the replicas -----------------------------------------------------------------------
+    def engine_handle(self):
+        from ray import serve
+
+        from loraserve.cluster.spec import ENGINE_DEPLOYMENT
+
+        return serve.get_deployment_handle(ENGINE_DEPLOYMENT, APP)
+
+    def replica_ids(self) -> list[str]:
+        """Live engine replicas as this process's router sees them."""
+        from loraserve.cluster import live_replicas
+        from loraserve.cluster.spec import ENGINE_DEPLOYMENT
+
+        self.engine_handle().info.remote().result(timeout_s=60)  # starts the router
+        return live_replicas.replica_ids(APP, ENGINE_DEPLOYMENT) or []
+
+    def replica_actor(self, rid: str):
+        import ray
+
+        from loraserve.cluster.spec import ENGINE_DEPLOYMENT
+
+        return ray.get_actor(f"SERVE_REPLICA::{APP}#{ENGINE_DEPLOYMENT}#{rid}", namespace="serve")
+
+    def wait_replicas(self, n: int, exclude: tuple[str, ...] = (), timeout: float = 120) -> list:
+        """Block until the ingress reports n replicas (none of `exclude`) and they answer."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                models = httpx.get(self.url + "/v1/models", timeout=10).json()["data"]
+                ids = sorted(r["replica"] for r in models[0]["replicas"])
+                if len(ids) == n and not set(ids) & set(exclude):
+                    return ids
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{n} replicas not ready in {timeout}s")
+
+    def call_replica(self, rid: str, path: str, body: dict | None = None):
+        """POST (or GET without a body) straight to one replica's server app."""
+        from loraserve.cluster.asgi_bridge import HttpRequest
+
+        raw = json.dumps(body).encode() if body is not None else b""
+        req = HttpRequest("POST" if body is not None else "GET", path,
+                          headers=((b"content-type", b"application/json"),
+                                   (b"content-length", str(len(raw)).encode())), body=raw)
+        return self.engine_handle().control.remote(req, None, target=rid).result(timeout_s=60)
+
+    def openai(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
+                             timeout=60)
+
+
+def replicas_of(models: dict, model_id: str) -> dict[str, str]:
+    """replica id -> tier of `model_id` in a /v1/models answer ({} if it is not listed)."""
+    for card in models["data"]:
+        if card["id"] == model_id:
+            return {r["replica"]: r["tier"] for r in card["replicas"]}
+    return {}
