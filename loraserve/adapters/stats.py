@@ -8,6 +8,7 @@ from dataclasses import dataclass
 @dataclass
 class AdapterStats:
     requests: int = 0
+    host_hits: int = 0  # requests that found it in host memory when they arrived
     loads: int = 1  # the registration itself is the first load
     host_evictions: int = 0
     slot_evictions: int = 0

@@ -171,6 +171,7 @@ class AdapterStore:
         entry = self.entries[uid]
         entry.refcount += 1
         entry.stats.requests += 1
+        entry.stats.host_hits += entry.weights is not None
         return uid
 
     def fingerprint(self, uid: int) -> str:

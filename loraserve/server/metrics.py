@@ -136,6 +136,9 @@ class _SnapshotCollector:
                                            "Requests holding the adapter", labels=["adapter"]),
             "requests": CounterMetricFamily("loraserve_adapter_requests",
                                             "Requests admitted", labels=["adapter"]),
+            "host_hits": CounterMetricFamily("loraserve_adapter_host_hits",
+                                             "Requests that found it in host memory on arrival",
+                                             labels=["adapter"]),
             "loads": CounterMetricFamily("loraserve_adapter_loads",
                                          "Loads into host memory (first load included)",
                                          labels=["adapter"]),
@@ -164,7 +167,7 @@ class _SnapshotCollector:
             per["tier"].add_metric(name, TIERS[a.tier])
             per["pinned"].add_metric(name, int(a.pinned))
             per["in_flight"].add_metric(name, a.refcount)
-            for key in ("requests", "loads", "host_evictions", "slot_evictions"):
+            for key in ("requests", "host_hits", "loads", "host_evictions", "slot_evictions"):
                 per[key].add_metric(name, getattr(a.stats, key))
             for key, family in prefix.items():
                 family.add_metric(name, getattr(a.stats, key))
