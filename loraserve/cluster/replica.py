@@ -65,6 +65,7 @@ class EngineReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.names: set[str] = set()  # adapters registered here (kept by our own calls)
         self.synced: RegistryState = EMPTY
+        self._old_epochs: set[str] = set()
         self._lock = asyncio.Lock()  # one adapter change at a time on this replica
         cap = spec.engine.max_loaded_loras or -1
 
@@ -113,12 +114,16 @@ class EngineReplica:
     async def sync(self, want: RegistryVersion | None, strict: bool = False) -> None:
         """Apply the registry if `want` is newer than what this replica applied (None: only
         at start-up, `strict`: a registered adapter that fails to load fails the replica)."""
-        if not strict and self.synced.at.covers(want):
+        if not strict and self._covers(want):
             return
         async with self._lock:
-            if not strict and self.synced.at.covers(want):
+            if not strict and self._covers(want):
                 return
             state: RegistryState = await self.registry.state.remote()
+            if want is not None and state.at.epoch != want.epoch:
+                # the registry restarted since the ingress last wrote to it: its state is the
+                # truth, and asking again for that old version would pull on every request
+                self._old_epochs.add(want.epoch)
             old = self.synced.entries
             for name in old.keys() - state.entries.keys():
                 await self._unload(name)
@@ -133,6 +138,9 @@ class EngineReplica:
                     log.warning("replica %s could not load %s from the registry: %s",
                                 self.replica_id, name, e)
             self.synced = state
+
+    def _covers(self, want: RegistryVersion | None) -> bool:
+        return self.synced.at.covers(want) or want.epoch in self._old_epochs
 
     async def _load(self, name: str, lora_path: str, pinned: bool) -> None:
         root = self.spec.settings.lora_root
