@@ -191,3 +191,47 @@ def test_bad_replicas_flag_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["serve", "--replicas", "0", "--port", "0"])
     assert e.value.code == 2 and "replicas must be >= 1" in capsys.readouterr().err
+
+
+def test_replica_catches_up_with_the_registry_and_survives_its_restart():
+    from loraserve.cluster.registry import EMPTY, RegistryState, RegistryVersion
+    from loraserve.cluster.replica import EngineReplica
+    from loraserve.cluster.spec import ClusterSpec
+
+    calls, states = [], []
+
+    class Engine:  # records what the replica asks of its engine
+        async def load_lora_adapter(self, name, path, pinned=False, root=None):
+            calls.append(("load", name, path, pinned))
+
+        async def unload_lora_adapter(self, name):
+            calls.append(("unload", name))
+
+    async def state():
+        calls.append(("pull",))
+        return states[-1]
+
+    rep = EngineReplica.__new__(EngineReplica)  # the sync logic only: no Ray, no model
+    rep.aengine, rep.spec, rep.replica_id = Engine(), ClusterSpec(), "r1"
+    rep.registry = SimpleNamespace(state=SimpleNamespace(remote=state))
+    rep.names, rep.synced, rep._old_epochs, rep._lock = set(), EMPTY, set(), None
+
+    def at(epoch, v):
+        return RegistryVersion(epoch, v)
+
+    async def run():
+        rep._lock = asyncio.Lock()
+        states.append(RegistryState(at("A", 0), {"a": RegistryEntry("/a"),
+                                                 "b": RegistryEntry("/b")}))
+        await rep.sync(None, strict=True)  # start-up replay
+        await rep.sync(at("A", 0))  # up to date: no pull
+        states.append(RegistryState(at("A", 2), {"a": RegistryEntry("/a", pinned=True)}))
+        await rep.sync(at("A", 2))  # behind: b unloaded, a pinned
+        states.append(RegistryState(at("B", 0), {}))  # the registry restarted, empty
+        await rep.sync(at("A", 3))  # the ingress's old epoch: pull once, unload nothing
+        await rep.sync(at("A", 3))
+
+    asyncio.run(run())
+    assert calls == [("pull",), ("load", "a", "/a", False), ("load", "b", "/b", False),
+                     ("pull",), ("unload", "b"), ("load", "a", "/a", True), ("pull",)]
+    assert rep.names == {"a"}

@@ -125,7 +125,12 @@ class EngineReplica:
                 # truth, and asking again for that old version would pull on every request
                 self._old_epochs.add(want.epoch)
             old = self.synced.entries
+            restarted = self.synced is not EMPTY and state.at.epoch != self.synced.at.epoch
             for name in old.keys() - state.entries.keys():
+                if restarted:  # a fresh registry forgot runtime loads: keep serving them
+                    log.warning("the adapter registry restarted without %s; %s keeps it",
+                                name, self.replica_id)
+                    continue
                 await self._unload(name)
             for name, entry in state.entries.items():
                 if old.get(name) == entry:
