@@ -207,6 +207,9 @@ def test_replica_catches_up_with_the_registry_and_survives_its_restart():
         async def unload_lora_adapter(self, name):
             calls.append(("unload", name))
 
+        def shutdown(self):
+            pass
+
     async def state():
         calls.append(("pull",))
         return states[-1]
