@@ -57,6 +57,13 @@ class UnloadAdapter:
 
 
 @dataclass(frozen=True)
+class EvictIdleAdapter:
+    """Drop an adapter from host memory if no request holds it (a hint; True if done)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
 class GetSnapshot:
     pass
 
@@ -75,7 +82,7 @@ class AbortAll:
 
 
 EngineCommand = AddRequest | AbortRequest | CheckAdapterLoad | LoadAdapter | UnloadAdapter | \
-    GetSnapshot | AbortAll | CheckInvariants
+    EvictIdleAdapter | GetSnapshot | AbortAll | CheckInvariants
 
 
 @dataclass(frozen=True)
