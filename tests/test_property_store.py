@@ -166,3 +166,29 @@ def test_a_slot_refusing_reloaded_weights_fails_only_that_adapter():
     assert "exceeds max_lora_rank" in failed[uid] and bad.tier == "disk"
     store.release(uid)
     assert store.check(Counter(), set(), []) == [] and ok.uid in store.entries
+
+
+def test_reads_in_flight_for_ended_requests_are_not_a_stall():
+    """Found by the unified machine: host memory full of pinned adapters and reads in flight
+    for adapters whose requests ended, while a new request waits on a cold adapter. The reads
+    land, become evictable, and the next prepare starts the waiting one: progress, not a
+    stall (the check had flagged it)."""
+    loader = CheckedLoader()
+    store = AdapterStore(GrowingSlots(3), loader, max_loras_per_batch=3, max_loaded_loras=4,
+                         unified=True)
+    for name, pinned in (("n4", True), ("n0", False), ("n1", False), ("n2", False),
+                         ("n5", True), ("n3", False)):
+        store.register(name, f"/p/{name}", weights(name), pinned)
+    a, b = store.acquire("n0"), store.acquire("n1")  # both evicted to disk by now
+    store.prepare(in_use=set(), upcoming=[a, b])  # their reads start, evicting n2, n3
+    assert loader.num_pending == 2 and store.num_host == 2
+    store.release(a)
+    store.release(b)
+    c = store.acquire("n2")
+    assert store.check(Counter({c: 1}), set(), [c]) == []
+    loader.finish()
+    store.prepare(in_use=set(), upcoming=[c])  # lands n0, n1; evicts one for n2's read
+    assert loader.is_loading(c)
+    loader.finish()
+    store.prepare(in_use=set(), upcoming=[c])
+    assert store.is_ready(c) and store.check(Counter({c: 1}), set(), [c]) == []

@@ -90,8 +90,9 @@ def _check_progress(store: AdapterStore, running: Set[int],
     cold = [u for u in window if not store.is_ready(u)]
     if not cold or any(store.loader.is_loading(u) for u in cold):
         return []
-    has_room = (store.max_loaded is None
-                or store.num_host + store.loader.num_pending < store.max_loaded
+    # a read in flight lands soon: its adapter then runs or, unneeded, can be evicted
+    has_room = (store.max_loaded is None or store.loader.num_pending > 0
+                or store.num_host < store.max_loaded
                 or pick_victim(store._host_entries(), set(window)) is not None)
     if has_room:
         return []
