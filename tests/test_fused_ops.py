@@ -44,14 +44,16 @@ def test_add_rms_norm_updates_the_residual_in_place(alpha, with_weight, T):
                                    atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("T", [2, 100])
-def test_silu_mul_matches_torch_over_a_wide_range(T):
+@pytest.mark.parametrize(("T", "inter"), [(2, 1536), (100, 1536), (7, 37)])
+def test_silu_mul_matches_torch_over_a_wide_range(T, inter):
+    """Eight lanes at a time, then a scalar tail (37 = 4 * 8 + 5)."""
     g = torch.Generator().manual_seed(T)
-    gu = torch.randn(T, 2 * 1536, generator=g) * 8  # exp far into both tails
-    gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
-    gate, up = gu.split(1536, dim=-1)
+    gu = torch.randn(T, 2 * inter, generator=g) * 8  # exp far into both tails
+    for at in (0, inter - 4):  # in the vector part and in the tail
+        gu[0, at:at + 4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    gate, up = gu.split(inter, dim=-1)
     want = torch.nn.functional.silu(gate) * up
-    torch.testing.assert_close(ew.silu_mul(gu, 1536), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ew.silu_mul(gu, inter), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("T", [1, 5, 400])

@@ -16,6 +16,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 #define PAR_MIN_ELEMS (1 << 16) /* below this a thread team costs more than it saves */
 
@@ -80,13 +83,46 @@ static inline float exp_approx(float x) {
     return p * scale;
 }
 
+#ifdef __AVX2__
+/* exp_approx on 8 lanes (same polynomial; n rounded by the 1.5 * 2^23 trick). gcc does not
+ * vectorize the scalar loop below by itself: the clamps are branches it will not if-convert
+ * under trapping math, and the scalar loop ran 4x slower than torch's silu + mul. */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8f exp8(v8f x) {
+    x = (v8f)_mm256_min_ps(_mm256_max_ps((__m256)x, _mm256_set1_ps(-87.f)),
+                           _mm256_set1_ps(88.f));
+    const v8f n = (x * 1.44269504f + 12582912.f) - 12582912.f;
+    const v8f r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+    v8f p = r * (1.f / 5040) + 1.f / 720;
+    p = p * r + 1.f / 120;
+    p = p * r + 1.f / 24;
+    p = p * r + 1.f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    return p * (v8f)((__builtin_convertvector(n, v8i) + 127) << 23);
+}
+#endif
+
 void silu_mul(const float *gu, int64_t ldg, float *out, int64_t ldo, int64_t T, int64_t inter,
               int nthreads) {
 #pragma omp parallel for num_threads(nthreads) if (T * inter >= PAR_MIN_ELEMS)
     for (int64_t t = 0; t < T; t++) {
         const float *g = gu + t * ldg, *u = g + inter;
         float *o = out + t * ldo;
-        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+        int64_t i = 0;
+#ifdef __AVX2__
+        for (; i + 8 <= inter; i += 8) {
+            v8f gv, uv;
+            memcpy(&gv, g + i, sizeof gv);
+            memcpy(&uv, u + i, sizeof uv);
+            const v8f ov = gv / (1.f + exp8(-gv)) * uv;
+            memcpy(o + i, &ov, sizeof ov);
+        }
+#endif
+        for (; i < inter; i++) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
     }
 }
 
