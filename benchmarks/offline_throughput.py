@@ -92,6 +92,8 @@ def main() -> None:
         "ours_tok_s": n_out / median(ours),
         "hf_tok_s": n_out / median(theirs),
         "ratio_vs_hf": median(theirs) / median(ours),
+        # each rep runs both back to back: the median of their ratios cancels slow drift
+        "ratio_vs_hf_paired": median([h / o for o, h in zip(ours, theirs, strict=True)]),
         "ours_frac_floor": floor_s / median(ours),
         "hf_frac_floor": floor_s / median(theirs),
         "ours_frac_floor_onednn": floor_dnnl_s / median(ours),
