@@ -294,28 +294,3 @@ def check_invariants(store, live, running, ever_pinned_loaded):
         assert store.num_host <= store.max_loaded
     assert store.num_pinned <= store.max_loras_per_batch - 1
     assert set(store.names.values()) <= set(store.entries)
-
-
-def test_evict_if_idle_is_a_hint_the_store_decides():
-    """A cluster replica asks this when Ray's multiplex cache forgets an adapter: only an
-    idle, unpinned, resident adapter leaves host memory; it stays registered and comes back
-    on its next request."""
-    store, loader = make(max_loaded=3)
-    a, b, p = reg(store, "a"), reg(store, "b"), reg(store, "p", pinned=True)
-    store.bind({a.uid, b.uid})
-    uid_b = store.acquire("b")  # a request holds b
-    assert store.evict_if_idle("a") is True
-    assert a.tier == "disk" and a.slot is None and a.stats.host_evictions == 1
-    assert store.names["a"] == a.uid
-    assert store.evict_if_idle("a") is False  # already on disk
-    assert store.evict_if_idle("b") is False and b.tier == "device"  # in use
-    assert store.evict_if_idle("p") is False and p.weights is not None  # pinned
-    with pytest.raises(AdapterNotFoundError):
-        store.evict_if_idle("nope")
-    store.release(uid_b)
-    assert store.evict_if_idle("b") is True
-    uid_a = store.acquire("a")  # the next request reads it back
-    store.prepare(in_use=set(), upcoming=[uid_a])
-    loader.finish(uid_a)
-    assert store.prepare(in_use=set(), upcoming=[uid_a]) == {} and store.is_ready(uid_a)
-    assert store.bind({uid_a}) == {uid_a: a.slot} and store.slots.content[a.slot] == "a"

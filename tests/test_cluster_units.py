@@ -5,7 +5,6 @@ the single-server path never imports ray."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
 import subprocess
 import sys
@@ -239,33 +238,3 @@ def test_replica_catches_up_with_the_registry_and_survives_its_restart():
     assert calls == [("pull",), ("load", "a", "/a", False), ("load", "b", "/b", False),
                      ("pull",), ("unload", "b"), ("load", "a", "/a", True), ("pull",)]
     assert rep.names == {"a"}
-
-
-def test_ray_forgetting_an_adapter_asks_the_store_to_evict_it_if_idle():
-    from loraserve.cluster.replica import EngineReplica, _Residency
-    from loraserve.types import AdapterNotFoundError
-
-    asked = []
-
-    class Engine:
-        async def evict_idle_adapter(self, name):
-            asked.append(name)
-            if name == "gone":
-                raise AdapterNotFoundError("unloaded meanwhile")
-            return name == "idle"
-
-        def shutdown(self):
-            pass
-
-    rep = EngineReplica.__new__(EngineReplica)  # no Ray, no model
-    rep.aengine, rep.replica_id, rep.names = Engine(), "r1", {"idle", "busy", "gone"}
-
-    async def run():
-        for name in ("idle", "busy", "gone", "never-loaded-here"):
-            held = _Residency(name, rep._evict_if_idle)
-            # what Ray's multiplex LRU does when it drops an entry
-            assert inspect.iscoroutinefunction(held.__del__)
-            await held.__del__()
-
-    asyncio.run(run())
-    assert asked == ["idle", "busy", "gone"]  # a name this replica never loaded: not asked

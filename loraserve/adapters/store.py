@@ -278,23 +278,6 @@ class AdapterStore:
             log.info("adapter %s evicted from host memory (stays registered)", victim.name)
         return True
 
-    def evict_if_idle(self, name: str) -> bool:
-        """Drop `name`'s weights from host memory (it stays registered, read back when a
-        request needs it) if no request holds it and it is not pinned. The caller only asks
-        (a cluster router forgot it); the store decides. True if it was evicted."""
-        uid = self.names.get(name)
-        if uid is None:
-            raise AdapterNotFoundError(f"adapter {name!r} is not loaded")
-        entry = self.entries[uid]
-        if entry.pinned or entry.refcount or entry.weights is None:
-            return False
-        entry.slot = None
-        entry.weights = None
-        entry.stats.host_evictions += 1
-        log.info("adapter %s evicted from host memory on request (idle; stays registered)",
-                 name)
-        return True
-
     # --- admission queries (pure) and binding -----------------------------------------------
     def is_ready(self, uid: int) -> bool:
         entry = self.entries.get(uid)

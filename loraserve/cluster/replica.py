@@ -8,9 +8,8 @@ Ray Serve multiplexing: the multiplexed model id is the adapter's name. Its load
 "this adapter is registered here" check that never touches weights: the replica's
 AdapterStore stays the only authority on residency (it loads on admission, evicts LRU within
 max_loaded_loras). Ray's cache gets the same capacity, so what it reports to the routers (the
-adapters this replica served last) follows the store's LRU. When Ray drops an adapter from its
-cache, the routers stop sending it here, so the replica asks the store to drop its weights from
-host memory if no request holds it (pinned or busy adapters stay: the store decides).
+adapters this replica served last) follows the store's LRU; when Ray drops an adapter from its
+cache it only forgets it for routing: the store evicts on its own rules.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from ray import serve
@@ -37,14 +35,14 @@ ADAPTER_ROUTES = ("/load_lora_adapter", "/unload_lora_adapter")
 class _Residency:
     """What Ray's multiplex cache holds for an adapter: its name, no weights."""
 
-    def __init__(self, name: str, on_forget: Callable[[str], Awaitable[None]]):
+    def __init__(self, name: str):
         self.name = name
-        self._on_forget = on_forget
-        # Ray awaits `model.__del__` when its LRU drops the entry: a hint to the store
+        # Ray awaits `model.__del__` when its LRU drops the entry: advisory only (see above)
         self.__del__ = self._forget
 
     async def _forget(self) -> None:
-        await self._on_forget(self.name)
+        log.debug("Ray's multiplex cache dropped %s; the adapter store decides its residency",
+                  self.name)
 
 
 class EngineReplica:
@@ -72,7 +70,7 @@ class EngineReplica:
         cap = spec.engine.max_loaded_loras or -1
 
         async def residency(name: str) -> _Residency:
-            return _Residency(name, self._evict_if_idle)
+            return _Residency(name)
 
         self.residency = serve.multiplexed(max_num_models_per_replica=cap)(residency)
         await self.sync(None, strict=True)  # replay the registry: --lora-paths and later loads
@@ -154,17 +152,6 @@ class EngineReplica:
         await self.aengine.load_lora_adapter(name, resolve_path(lora_path, root), pinned=pinned,
                                              root=root)
         self.names.add(name)
-
-    async def _evict_if_idle(self, name: str) -> None:
-        """Ray's multiplex cache dropped `name`: the routers no longer send it here."""
-        if name not in self.names:
-            return
-        try:
-            evicted = await self.aengine.evict_idle_adapter(name)
-        except AdapterNotFoundError:
-            return
-        log.debug("Ray's multiplex cache dropped %s on %s; host memory %s", name,
-                  self.replica_id, "freed" if evicted else "kept (in use or pinned)")
 
     async def _unload(self, name: str) -> None:
         self.names.discard(name)

@@ -171,10 +171,6 @@ class AsyncEngine:
     async def unload_lora_adapter(self, name: str) -> None:
         await self._ask(M.UnloadAdapter(name))
 
-    async def evict_idle_adapter(self, name: str) -> bool:
-        """Ask the store to drop `name` from host memory if no request holds it."""
-        return await self._ask(M.EvictIdleAdapter(name))
-
     # --- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine

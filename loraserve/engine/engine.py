@@ -302,8 +302,6 @@ class LLMEngine:
                 return self.load_lora_adapter(cmd.name, cmd.path, cmd.pinned, cmd.weights)
             case M.UnloadAdapter():
                 return self.unload_lora_adapter(cmd.name)
-            case M.EvictIdleAdapter():
-                return self.store.evict_if_idle(cmd.name)
             case M.GetSnapshot():
                 return self.snapshot()
             case M.CheckInvariants():

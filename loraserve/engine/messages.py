@@ -57,13 +57,6 @@ class UnloadAdapter:
 
 
 @dataclass(frozen=True)
-class EvictIdleAdapter:
-    """Drop an adapter from host memory if no request holds it (a hint; True if done)."""
-
-    name: str
-
-
-@dataclass(frozen=True)
 class GetSnapshot:
     pass
 
@@ -82,7 +75,7 @@ class AbortAll:
 
 
 EngineCommand = AddRequest | AbortRequest | CheckAdapterLoad | LoadAdapter | UnloadAdapter | \
-    EvictIdleAdapter | GetSnapshot | AbortAll | CheckInvariants
+    GetSnapshot | AbortAll | CheckInvariants
 
 
 @dataclass(frozen=True)
