@@ -159,12 +159,13 @@ shrink_tile(const float *x, int64_t ldx, const wt *at, int64_t d_in, float *t, i
 
 static inline __attribute__((always_inline)) void
 shrink_tile16(const float *x, int64_t ldx, const wt *at, int64_t lda, int64_t d_in, float *t,
-              int64_t ldt, const int NT, const int W16) {
+              int64_t ldt, const int NT, const int W16, const int PF) {
     const float *x0 = x, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx, *x4 = x3 + ldx,
                 *x5 = x4 + ldx;
     SACC(0); SACC(1); SACC(2); SACC(3); SACC(4); SACC(5);
     for (int64_t i = 0; i < d_in; i++) {
         const wt *ar = at + i * lda;
+        if (PF) __builtin_prefetch(ar + 8 * lda, 0, 0);
         const v8 a0 = ldw8(ar), a1 = W16 ? ldw8(ar + 8) : (v8){0};
         SFMA(0); SFMA(1); SFMA(2); SFMA(3); SFMA(4); SFMA(5);
     }
@@ -173,10 +174,11 @@ shrink_tile16(const float *x, int64_t ldx, const wt *at, int64_t lda, int64_t d_
 
 #define TILE16(NT)                                                                         \
     for (int64_t c = 0; c < w; c += 16) {                                                  \
-        if (w - c >= 16) shrink_tile16(xs, ldx, at + c, w, d_in, ts + c, ldt, NT, 1);      \
-        else shrink_tile16(xs, ldx, at + c, w, d_in, ts + c, ldt, NT, 0);                  \
+        if (w - c >= 16) { if (pf) shrink_tile16(xs, ldx, at + c, w, d_in, ts + c, ldt, NT, 1, 1); \
+                           else shrink_tile16(xs, ldx, at + c, w, d_in, ts + c, ldt, NT, 1, 0); } \
+        else shrink_tile16(xs, ldx, at + c, w, d_in, ts + c, ldt, NT, 0, pf);              \
     }
-#define TILE_W(NT) TILE16(NT) (void)pf;
+#define TILE_W(NT) TILE16(NT)
 #endif
 
 /* t[tok0:tok1, 0:w] = x[tok0:tok1] @ at (w: 8..64, a multiple of 8), 6 tokens at a time. */
@@ -247,9 +249,10 @@ expand_tile(const float *t, int64_t ldt, const wt *b, int64_t ldp, int64_t o0, i
 
 static inline __attribute__((always_inline)) void
 expand_tile16(const float *t, int64_t ldt, const wt *b, int64_t ldp, int64_t o0, int64_t o1,
-              float *y, int64_t ldy, const int NT) {
+              float *y, int64_t ldy, const int NT, const int PF) {
     ZLD(0) ZLD(1) ZLD(2) ZLD(3) ZLD(4) ZLD(5)
     for (int64_t j = o0; j < o1; j++, b += ldp) {
+        if (PF && j + PF_ROWS < o1) __builtin_prefetch(b + PF_ROWS * ldp, 0, 0);
         const v8 b0 = ldw8(b), b1 = ldw8(b + 8);
         ZFMA(0); ZFMA(1); ZFMA(2); ZFMA(3); ZFMA(4); ZFMA(5);
     }
@@ -259,8 +262,10 @@ expand_tile16(const float *t, int64_t ldt, const wt *b, int64_t ldp, int64_t o0,
 static inline __attribute__((always_inline)) void
 expand_tile(const float *t, int64_t ldt, const wt *b, int64_t ldp, int64_t o0, int64_t o1,
             float *y, int64_t ldy, int pf, const int NT) {
-    (void)pf;
-    for (int c = 0; c < 64; c += 16) expand_tile16(t, ldt, b + c, ldp, o0, o1, y + c, ldy, NT);
+    for (int c = 0; c < 64; c += 16) {
+        if (pf) expand_tile16(t, ldt, b + c, ldp, o0, o1, y + c, ldy, NT, 1);
+        else expand_tile16(t, ldt, b + c, ldp, o0, o1, y + c, ldy, NT, 0);
+    }
 }
 #define HAVE_EXPAND_TILE
 #endif
