@@ -63,20 +63,16 @@ void add_rms_norm(float *h, int64_t ldh, const float *r, int64_t ldr, float alph
     }
 }
 
-/* exp(x) for any float x: 2^n * p(r), |r| <= ln2/2, degree-7 Taylor (relative error ~2e-7);
- * plain arithmetic so that gcc vectorizes the loops it sits in. */
+/* exp(r) for |r| <= ln2/2: degree-7 Taylor (Horner), for a float or a vector of floats. */
+#define EXP_POLY(r) ((((((((r) * (1.f / 5040) + 1.f / 720) * (r) + 1.f / 120) * (r) + 1.f / 24) \
+                        * (r) + 1.f / 6) * (r) + 0.5f) * (r) + 1.f) * (r) + 1.f)
+
+/* exp(x) for any float x: 2^n * EXP_POLY(r), r = x - n ln2 (relative error ~2e-7). */
 static inline float exp_approx(float x) {
     x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
     const float n = floorf(x * 1.44269504f + 0.5f);
     const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-    float p = 1.f / 5040;
-    p = p * r + 1.f / 720;
-    p = p * r + 1.f / 120;
-    p = p * r + 1.f / 24;
-    p = p * r + 1.f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
+    const float p = EXP_POLY(r);
     const int32_t e = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &e, sizeof scale);
@@ -95,14 +91,7 @@ static inline v8f exp8(v8f x) {
                            _mm256_set1_ps(88.f));
     const v8f n = (x * 1.44269504f + 12582912.f) - 12582912.f;
     const v8f r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-    v8f p = r * (1.f / 5040) + 1.f / 720;
-    p = p * r + 1.f / 120;
-    p = p * r + 1.f / 24;
-    p = p * r + 1.f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    return p * (v8f)((__builtin_convertvector(n, v8i) + 127) << 23);
+    return EXP_POLY(r) * (v8f)((__builtin_convertvector(n, v8i) + 127) << 23);
 }
 #endif
 
