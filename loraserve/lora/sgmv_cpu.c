@@ -267,7 +267,6 @@ expand_tile(const float *t, int64_t ldt, const wt *b, int64_t ldp, int64_t o0, i
         else expand_tile16(t, ldt, b + c, ldp, o0, o1, y + c, ldy, NT, 0);
     }
 }
-#define HAVE_EXPAND_TILE
 #endif
 
 /* y[tok, c0:c0+n) += t[tok, o0:o1] @ blk for tokens [tok0, tok1), where blk holds the
