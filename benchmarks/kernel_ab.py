@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="64,2048", help="tokens per step, comma-separated")
     ap.add_argument("--rounds", type=int, default=10)
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(int(__import__("os").environ.get("KAB_THREADS", 2)))
     tmp = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
     sides = [(build(args.a, args.a_flags, getattr(torch, args.a_dtype), tmp, "a"), "a"),
              (build(args.b, args.b_flags, getattr(torch, args.b_dtype), tmp, "b"), "b")]

@@ -25,16 +25,22 @@
 #include <string.h>
 
 typedef float v8 __attribute__((vector_size(32))); /* the last 8 columns of an A tile */
+/* x in every lane, as one broadcast load: `(v8){0} + x` compiled to a scalar add of zero and a
+ * register broadcast (IEEE: -0 + 0 is +0, so the add cannot be dropped) on the FMA loops'
+ * critical ports, ~2x the prefill time of the AVX2 tiles (benchmarks/kernel_ab.py) */
+static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 /* 16 floats: one zmm register with AVX-512. Without it, gcc expands 64-byte vector
  * arithmetic piecewise (-Wvector-operation-performance) and the kernel ran 8x slower; there a
  * v16 is two 8-float halves, each one ymm register. */
 #ifdef __AVX512F__
 typedef float v16 __attribute__((vector_size(64)));
-static inline v16 bcast(float x) { return (v16){0} + x; }
+static inline v16 bcast(float x) {
+    return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
 static inline v16 madd(v16 a, v16 b, v16 c) { return c + a * b; }
 #else
 typedef struct { v8 lo, hi; } v16;
-static inline v16 bcast(float x) { v8 h = (v8){0} + x; return (v16){h, h}; }
+static inline v16 bcast(float x) { v8 h = splat8(x); return (v16){h, h}; }
 static inline v16 madd(v16 a, v16 b, v16 c) {
     return (v16){c.lo + a.lo * b.lo, c.hi + a.hi * b.hi};
 }
@@ -103,7 +109,7 @@ static int64_t pad8(int64_t r) { return (r + 7) / 8 * 8; } /* layout.padded_rank
     if (NV > 1) c##k##1 = madd(xb, b1, c##k##1);                                       \
     if (NV > 2) c##k##2 = madd(xb, b2, c##k##2);                                       \
     if (NV > 3) c##k##3 = madd(xb, b3, c##k##3);                                       \
-    if (H) h##k += ((v8){0} + xs_) * bh; } } while (0)
+    if (H) h##k += splat8(xs_) * bh; } } while (0)
 #define STT(k) do { if (NT > k) { float *o = t + (k) * ldt;                          \
     if (NV > 0) st(o, c##k##0);                                                        \
     if (NV > 1) st(o + 16, c##k##1);                                                   \
@@ -152,7 +158,7 @@ shrink_tile(const float *x, int64_t ldx, const wt *at, int64_t d_in, float *t, i
 /* Without AVX-512: 6 tokens x 16 (or 8) columns of the tile at a time, so the accumulators
  * (12) stay in the 16 ymm registers; the tile's rows are lda = w floats apart. */
 #define SACC(k) v8 s##k##0 = {0}, s##k##1 = {0}
-#define SFMA(k) do { if (NT > k) { v8 xb = (v8){0} + x##k[i];                             \
+#define SFMA(k) do { if (NT > k) { v8 xb = splat8(x##k[i]);                             \
     s##k##0 += xb * a0; if (W16) s##k##1 += xb * a1; } } while (0)
 #define SST(k) do { if (NT > k) { float *o = t + (k) * ldt; st8(o, s##k##0);             \
     if (W16) st8(o + 8, s##k##1); } } while (0)
@@ -242,7 +248,7 @@ expand_tile(const float *t, int64_t ldt, const wt *b, int64_t ldp, int64_t o0, i
  * columns instead, 12 accumulators + 2 of B + 1 broadcast, and four of them per strip. */
 #define ZLD(k) v8 z##k##0 = {0}, z##k##1 = {0};                                          \
     if (NT > k) { const float *p = y + (k) * ldy; z##k##0 = ld8(p); z##k##1 = ld8(p + 8); }
-#define ZFMA(k) do { if (NT > k) { v8 s = (v8){0} + t[(k) * ldt + j];                     \
+#define ZFMA(k) do { if (NT > k) { v8 s = splat8(t[(k) * ldt + j]);                     \
     z##k##0 += s * b0; z##k##1 += s * b1; } } while (0)
 #define ZST(k) do { if (NT > k) { float *p = y + (k) * ldy; st8(p, z##k##0);             \
     st8(p + 8, z##k##1); } } while (0)
