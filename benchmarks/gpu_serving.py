@@ -9,7 +9,8 @@ EOS. Reported, each the median of `--reps` runs:
   at a time (`set_adapter`) / loraserve base-only on the same prompts;
 - multi-adapter throughput as a fraction of base-only;
 - batch-1 decode tokens/s against the bandwidth floor (weight bytes / the device's copy rate
-  measured in the same run).
+  measured in the same run), with the decode steps replayed from CUDA graphs (the default) and
+  run eagerly (the same engine, its graphs set aside).
 
     PYTHONPATH=. python benchmarks/gpu_serving.py                 # on the GPU machine
     .venv/bin/python benchmarks/gpu_serving.py --device cpu --smoke  # the script itself, on CPU
@@ -143,6 +144,10 @@ def bench_model(label: str, model_dir: Path, args, dtype: torch.dtype) -> dict:
     tok_s = {k: n_out / statistics.median(v) for k, v in runs.items()}
     b1 = [args.output_len / time_loraserve(llm, prompts[:1], args.output_len)
           for _ in range(3)]
+    graphs, llm.engine.runner.graphs = llm.engine.runner.graphs, None  # the same, eagerly
+    b1_eager = [args.output_len / time_loraserve(llm, prompts[:1], args.output_len)
+                for _ in range(3)]
+    llm.engine.runner.graphs = graphs
     bw = copy_rate_gbs(args.device)
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
     floor = bw * 1e9 / weight_bytes
@@ -150,7 +155,10 @@ def bench_model(label: str, model_dir: Path, args, dtype: torch.dtype) -> dict:
             "ratio_vs_peft_mixed": tok_s["ours_multi"] / tok_s["peft_mixed"],
             "ratio_vs_peft_sequential": tok_s["ours_multi"] / tok_s["peft_sequential"],
             "multi_vs_base": tok_s["ours_multi"] / tok_s["ours_base"],
-            "batch1_decode_tok_s": statistics.median(b1), "copy_rate_gbs": bw,
+            "batch1_decode_tok_s": statistics.median(b1),
+            "batch1_decode_tok_s_without_cuda_graphs": statistics.median(b1_eager),
+            "cuda_graphs": None if graphs is None else len(graphs.graphs),
+            "copy_rate_gbs": bw,
             "batch1_floor_tok_s": floor,
             "batch1_time_vs_floor": floor / statistics.median(b1)}
 

@@ -212,6 +212,10 @@ class EngineConfig:
     enable_prefix_caching: bool = knob(
         True, "the prefix cache: reuse the K/V of prompt prefixes already computed under the "
               "same weights", off_flag="--disable-prefix-cache")
+    disable_cuda_graph: bool = knob(
+        False, "on a GPU, run decode steps eagerly instead of replaying recorded CUDA graphs")
+    cuda_graph_max_bs: int = knob(
+        32, "on a GPU, the largest decode batch replayed from a CUDA graph (larger: eager)")
     max_model_len: int | None = knob(
         None, "context length (default: the model's max_position_embeddings)")
     starvation_steps: int = knob(
@@ -255,7 +259,8 @@ class EngineConfig:
             raise ValueError("kv_cache_memory must be a positive number of bytes")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "starvation_steps"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "starvation_steps",
+                     "cuda_graph_max_bs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:

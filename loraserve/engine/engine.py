@@ -90,6 +90,9 @@ class LLMEngine:
         # after the weights and the slot pool: on a GPU the cache gets what they leave
         self.kv_sizing = size_kv_cache(c, mc, self.device, self.dtype)
         num_blocks = self.kv_sizing.tokens // c.block_size
+        # decode graphs' padding rows write to a block of their own, within the budget
+        graphs = self.device.type == "cuda" and not c.disable_cuda_graph and num_blocks > 1
+        num_blocks -= graphs
         self.kv = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching)
         self.store = AdapterStore(self.slot_pool, DiskLoader(self.read_adapter),
                                   max_loras_per_batch=c.max_loras_per_batch,
@@ -103,7 +106,14 @@ class LLMEngine:
         attention = create_attention_backend(c.attention_backend or default_attention,
                                              c.block_size, self.device)
         eos = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
-        self.runner = ModelRunner(self.model, c, num_blocks, self.device, attention, lora, eos)
+        self.runner = ModelRunner(self.model, c, num_blocks, self.device, attention, lora, eos,
+                                  scratch_block=graphs)
+        if graphs:
+            try:
+                self.runner.enable_decode_graphs(min(c.cuda_graph_max_bs, c.max_num_seqs),
+                                                 self.max_model_len)
+            except ValueError as e:  # a non-Triton backend was asked for
+                log.warning("decode steps run eagerly: %s", e)
         self.scheduler = Scheduler(c, self.kv, self.store, eos, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.info = M.EngineInfo(

@@ -13,6 +13,7 @@ from functools import partial
 import torch
 
 from loraserve.config import EngineConfig
+from loraserve.engine.cuda_graphs import CudaGraph, DecodeGraphs
 from loraserve.lora.backends import LoraBackend
 from loraserve.model.attention import AttentionBackend, AttentionSeq
 from loraserve.model.llama import LlamaModel
@@ -23,7 +24,7 @@ from loraserve.scheduler.batch import ScheduledBatch, StepOutput
 class ModelRunner:
     def __init__(self, model: LlamaModel, config: EngineConfig, num_blocks: int,
                  device: torch.device, attention: AttentionBackend, lora: LoraBackend,
-                 eos_token_ids: frozenset[int] = frozenset()):
+                 eos_token_ids: frozenset[int] = frozenset(), scratch_block: bool = False):
         self.model = model
         self.eos_token_ids = eos_token_ids  # masked while a request is below its min_tokens
         self.device = device
@@ -31,7 +32,11 @@ class ModelRunner:
         self.lora = lora
         c = model.config
         self.block_size = config.block_size
-        shape = (num_blocks * config.block_size, c.num_key_value_heads, c.head_dim)
+        # scratch_block: one block more than the KV manager hands out, where the padding rows
+        # of a replayed decode graph write their K/V (cuda_graphs.py)
+        self.scratch_slot = num_blocks * config.block_size if scratch_block else None
+        shape = ((num_blocks + scratch_block) * config.block_size, c.num_key_value_heads,
+                 c.head_dim)
         # One tensor per layer: writes through views of one big tensor are slow when compiled.
         dt = model.embed.dtype  # the KV cache holds what the model computes
         self.kv_caches = [(torch.zeros(shape, device=device, dtype=dt),
@@ -39,6 +44,23 @@ class ModelRunner:
                           for _ in range(c.num_hidden_layers)]
         # Requests without a seed of their own sample from this one (reproducible per run).
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
+        self.graphs: DecodeGraphs | None = None
+
+    def enable_decode_graphs(self, max_bs: int, max_model_len: int, new_graph=CudaGraph,
+                             capture_now: bool = True) -> None:
+        """Replay decode steps of up to max_bs sequences from recorded graphs (cuda_graphs.py);
+        new_graph: CudaGraph on a GPU, ReplayEmulator to check the same on a CPU."""
+        max_blocks = -(-max_model_len // self.block_size)
+        if self.scratch_slot is None:  # made without one (tests): add it, before any step
+            self.scratch_slot = self.kv_caches[0][0].shape[0]
+            self.kv_caches = [(torch.cat([k, k.new_zeros((self.block_size, *k.shape[1:]))]),
+                               torch.cat([v, v.new_zeros((self.block_size, *v.shape[1:]))]))
+                              for k, v in self.kv_caches]
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.attention, self.lora,
+                                   max_bs, max_blocks, self.scratch_slot, new_graph)
+        if capture_now:
+            with torch.inference_mode():
+                self.graphs.capture_all()
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks (src -> dst) in every layer: a fork's own copy of the partial
@@ -87,15 +109,18 @@ class ModelRunner:
             if c + n == req.num_tokens:  # its known tokens are all computed: it samples
                 logits_rows.append(len(ids) - 1)
                 samplers.append(req)
-        plan = self.lora.plan(seq_slots)
-        hook = None if plan is None else partial(self.lora.apply, plan)  # base-only: no LoRA
         dev = self.device
         with torch.inference_mode():
-            logits = self.model.forward(
-                torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.kv_caches,
-                self.attention, self.attention.prepare(attn_seqs),
-                torch.tensor(logits_rows, dtype=torch.long, device=dev), hook,
-            )
+            if self.graphs is not None and self.graphs.fits(attn_seqs, len(samplers)):
+                logits = self.graphs.run(ids, pos, attn_seqs, seq_slots)
+            else:
+                plan = self.lora.plan(seq_slots)
+                hook = None if plan is None else partial(self.lora.apply, plan)  # base-only
+                logits = self.model.forward(
+                    torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
+                    self.kv_caches, self.attention, self.attention.prepare(attn_seqs),
+                    torch.tensor(logits_rows, dtype=torch.long, device=dev), hook,
+                )
             if not samplers:
                 return StepOutput.empty()
             gens = [self.generator if r.generator is None else r.generator for r in samplers]

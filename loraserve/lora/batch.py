@@ -20,6 +20,7 @@ class SlotWeights(Protocol):
     """What the LoRA op needs from the slot pool (adapters/slot_pool.LoraSlotPool)."""
 
     layouts: dict[str, GroupLayout]
+    max_lora_rank: int
     A: list[dict[str, torch.Tensor]]  # per layer, per group: [S, R_g * d_in]
     B: list[dict[str, torch.Tensor]]  # per layer, per group: [S, max_rank * d_out_g]
     dtype: torch.dtype

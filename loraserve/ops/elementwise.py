@@ -28,6 +28,10 @@ def set_enabled(on: bool) -> None:
     _enabled[0] = on
 
 
+def fused_enabled() -> bool:
+    return _enabled[0]
+
+
 def _load() -> ctypes.CDLL | None:
     with _lock:
         if not _lib:

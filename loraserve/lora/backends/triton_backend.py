@@ -12,9 +12,9 @@ import os
 
 import torch
 
-from loraserve.lora.backends.base import LoraBackend
+from loraserve.lora.backends.base import LoraBackend, LoraPlan
 from loraserve.lora.batch import LoraBatch, SlotWeights
-from loraserve.lora.layout import padded_rank
+from loraserve.lora.layout import GROUPS, padded_rank
 
 # One group's launches: shrink blocks [n, 4], expand parts [m, 8] (int64, on the device), the
 # widest padded rank and the widest module output.
@@ -41,6 +41,15 @@ class TritonLoraBackend(LoraBackend):
 
     def plan_group(self, batch: LoraBatch, group: str,
                    segments: list[tuple[int, int, int, int]]) -> TritonPlan:
+        blocks, parts = self._work(group, segments)
+        dev = self.weights.device
+        return (torch.tensor(blocks, dtype=torch.int64, device=dev),
+                torch.tensor(parts, dtype=torch.int64, device=dev),
+                max(b[3] for b in blocks), max(p[6] for p in parts))
+
+    def _work(self, group: str, segments: list[tuple[int, int, int, int]]
+              ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """The shrink blocks and expand parts of one group's segments."""
         bm = self.kernels.BLOCK_M
         blocks, parts = [], []
         for s, a, b, r in segments:
@@ -49,10 +58,47 @@ class TritonLoraBackend(LoraBackend):
                 blocks.append((s, row0, row1, padded_rank(r)))
                 parts.extend((s, row0, row1, o0, o1 - o0, c0, c1 - c0, boff)
                              for o0, o1, c0, c1, boff in self.weights.parts(s, group))
-        dev = self.weights.device
-        return (torch.tensor(blocks, dtype=torch.int64, device=dev),
-                torch.tensor(parts, dtype=torch.int64, device=dev),
-                max(b[3] for b in blocks), max(p[6] for p in parts))
+        return blocks, parts
+
+    # --- captured decode steps (engine/cuda_graphs.py) ------------------------------------
+    def graph_plan(self, max_tokens: int) -> LoraPlan:
+        """A plan of fixed shapes for up to `max_tokens` tokens: every group's blocks and parts
+        sized for the worst case (one block per token), the grids sized for the widest slot.
+        A graph captured with it launches the same kernels whatever adapters a later batch
+        mixes: `fill_graph_plan` rewrites the tensors, and unused rows are zeros, which the
+        kernels skip (padded rank 0, no columns)."""
+        dev, groups = self.weights.device, {}
+        for g, lay in self.weights.layouts.items():
+            groups[g] = (torch.zeros(max_tokens, 4, dtype=torch.int64, device=dev),
+                         torch.zeros(max_tokens * len(GROUPS[g]), 8, dtype=torch.int64,
+                                     device=dev),
+                         lay.rank_capacity(self.weights.max_lora_rank), max(lay.d_outs))
+        return LoraPlan(LoraBatch(max_tokens, ()), groups)
+
+    @staticmethod
+    def graph_plan_view(plan: LoraPlan, num_tokens: int) -> LoraPlan:
+        """The first `num_tokens` tokens' share of a graph plan (one per batch-size bucket:
+        views, so filling the big plan fills every bucket's)."""
+        return LoraPlan(LoraBatch(num_tokens, ()), {
+            g: (blocks[:num_tokens], parts[:num_tokens * len(GROUPS[g])], rp, cols)
+            for g, (blocks, parts, rp, cols) in plan.groups.items()})
+
+    def fill_graph_plan(self, plan: LoraPlan, seq_slots) -> None:
+        """Write this step's segments into a graph plan's tensors (rows past them: zeros)."""
+        batch = LoraBatch.build(seq_slots, self.weights)
+        if batch.num_tokens > plan.batch.num_tokens:
+            raise ValueError(f"{batch.num_tokens} tokens in a graph plan for "
+                             f"{plan.batch.num_tokens}")
+        for g, (blocks_t, parts_t, _, _) in plan.groups.items():
+            segs = batch.group_segments(g)
+            blocks, parts = self._work(g, segs) if segs else ([], [])
+            host_b = torch.zeros(blocks_t.shape, dtype=torch.int64)
+            host_p = torch.zeros(parts_t.shape, dtype=torch.int64)
+            if blocks:
+                host_b[: len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+                host_p[: len(parts)] = torch.tensor(parts, dtype=torch.int64)
+            blocks_t.copy_(host_b)
+            parts_t.copy_(host_p)
 
     def apply_group(self, plan: TritonPlan, group_A: torch.Tensor, group_B: torch.Tensor,
                     x: torch.Tensor, y: torch.Tensor) -> None:

@@ -80,7 +80,7 @@ def _kernels():
             total = total * fix + tl.sum(p, axis=1)
             acc = acc * fix[:, None] + tl.dot(p, v.to(tl.float32))
             best = new_best
-        out = acc / total[:, None]
+        out = acc / tl.where(total == 0.0, 1.0, total)[:, None]  # padding rows: 0, not 0/0
         tl.store(o_ptr + (row0 + m)[:, None] * o_row + h * o_head + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
@@ -117,6 +117,42 @@ class TritonAttention(AttentionBackend):
         return TritonAttentionMetadata(torch.tensor(slots, device=dev),
                                        torch.tensor(tiles, dtype=torch.int64, device=dev),
                                        torch.tensor(tables, dtype=torch.int64, device=dev))
+
+    # --- captured decode steps (engine/cuda_graphs.py) ------------------------------------
+    def graph_metadata(self, max_seqs: int, max_blocks: int) -> TritonAttentionMetadata:
+        """Metadata of fixed shapes for decode steps of up to `max_seqs` sequences (one new
+        token each) whose block tables hold up to `max_blocks` blocks."""
+        dev = self.device
+        return TritonAttentionMetadata(
+            torch.zeros(max_seqs, dtype=torch.int64, device=dev),
+            torch.zeros(max_seqs, 4, dtype=torch.int64, device=dev),
+            torch.zeros(max_seqs, max_blocks, dtype=torch.int64, device=dev))
+
+    @staticmethod
+    def graph_metadata_view(meta: TritonAttentionMetadata, num_seqs: int):
+        return TritonAttentionMetadata(meta.slot_mapping[:num_seqs], meta.tiles[:num_seqs],
+                                       meta.tables[:num_seqs])
+
+    def fill_graph_metadata(self, meta: TritonAttentionMetadata, seqs: Sequence[AttentionSeq],
+                            scratch_slot: int) -> None:
+        """Write a decode step into graph metadata. Rows past `seqs` are padding: a tile with
+        no rows (the kernel reads and writes nothing for it), its K/V stored to
+        `scratch_slot`, a cache slot no sequence owns."""
+        n, width = meta.tiles.shape[0], meta.tables.shape[1]
+        if len(seqs) > n or any(s.num_new != 1 or len(s.block_table) > width for s in seqs):
+            raise ValueError("graph metadata takes one new token per sequence, within its size")
+        bs, k = self.block_size, len(seqs)
+        slots = [s.block_table[s.num_computed // bs] * bs + s.num_computed % bs for s in seqs]
+        tiles = [(i, s.start, 1, s.num_computed) for i, s in enumerate(seqs)]
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        # a padding tile is (its own row as sequence and first row, 0 rows)
+        slots += [scratch_slot] * (n - k)
+        tiles += [(i, i, 0, 0) for i in range(k, n)]
+        tables += [[0] * width] * (n - k)
+        slots, tiles, tables = (torch.tensor(a, dtype=torch.int64) for a in (slots, tiles, tables))
+        meta.slot_mapping.copy_(slots)
+        meta.tiles.copy_(tiles)
+        meta.tables.copy_(tables)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TritonAttentionMetadata, scale: float,
                 window: int = 0, softcap: float = 0.0):
