@@ -113,11 +113,21 @@ static inline __attribute__((always_inline)) void attend_avx2(
         for (int64_t j = 0; j < 8; j++) /* a short last group repeats its last token */
             k[j] = kbase + slot_of(table, t_begin + t0 + (j < nt ? j : nt - 1), block_size)
                                * tok_stride;
-        /* a block ahead: each block is a jump the hardware prefetcher cannot foresee */
+        /* Prefetch, spread over the head loop below (a burst of ~100 overflows the miss
+         * buffers and is dropped): K rows two groups ahead, and this group's V rows, which
+         * the weighted sum reads after the whole score pass (into L2) */
+        const float *pk[8], *pv[8];
+        int64_t npk = 0;
         for (int64_t j = t0 + 16; j < t0 + 24 && j < n; j++)
-            prefetch_row(kbase + slot_of(table, t_begin + j, block_size) * tok_stride,
-                         H * HD);
+            pk[npk++] = kbase + slot_of(table, t_begin + j, block_size) * tok_stride;
+        for (int64_t j = 0; j < nt; j++)
+            pv[j] = vbase + slot_of(table, t_begin + t0 + j, block_size) * tok_stride;
+        const int64_t lpr = H * HD / 16, totk = npk * lpr, totv = nt * lpr;
         for (int64_t hg = 0; hg < HG; hg++) {
+            for (int64_t li = hg * totk / HG; li < (hg + 1) * totk / HG; li++)
+                _mm_prefetch((const char *)(pk[li / lpr] + li % lpr * 16), _MM_HINT_T0);
+            for (int64_t li = hg * totv / HG; li < (hg + 1) * totv / HG; li++)
+                _mm_prefetch((const char *)(pv[li / lpr] + li % lpr * 16), _MM_HINT_T1);
             const float *qg = qh + hg * HD;
             const int64_t koff = hg / G * HD; /* this query head's kv head in the row */
             __m256 acc[8];
