@@ -10,6 +10,7 @@ current slot-pool layout, so compare sources that agree on it.
     .venv/bin/python benchmarks/kernel_ab.py --b-flags=-DLORA_BF16 --b-dtype bfloat16
 
 Reports each side's median time per step and the median of the per-round ratios b/a.
+KAB_THREADS=N runs both on N threads (default 2).
 """
 
 from __future__ import annotations
