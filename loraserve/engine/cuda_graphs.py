@@ -13,6 +13,10 @@ LoRA mode is part of the key: a graph recorded for a base-only batch has no LoRA
 and is never replayed for a batch with an adapter token (SGLang #32703 did exactly that); a
 batch with one replays the graph recorded with the LoRA hook, whose unused segments are empty.
 
+A step's inputs are filled in host memory (pinned) and moved in two copies: every small
+tensor in one, and of the block tables only the rows and columns this step uses (the kernel
+never reads a table entry past a sequence's context, so older columns may stay).
+
 Padding rows compute garbage that nothing reads: they attend to nothing and write their K/V
 to a scratch cache slot that no block owns (the runner allocates one block more than the KV
 manager hands out). A graph holds the addresses of the KV cache and the slot pool; if the pool
@@ -138,15 +142,26 @@ class DecodeGraphs:
         self.sizes = buckets(max_bs)
         self.max_bs, self.scratch_slot, self.new_graph = max_bs, scratch_slot, new_graph
         dev = kv_caches[0][0].device
-        self.ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(max_bs, dtype=torch.long, device=dev)
         self.rows = torch.arange(max_bs, device=dev)
-        self.meta = attention.graph_metadata(max_bs, max_blocks)
-        self.plan = lora.graph_plan(max_bs)
+        # Every graph input is carved out of one device buffer (the block tables, wide and
+        # mostly unused, out of one of their own), each with its twin in one host buffer,
+        # pinned on a GPU: a step fills the host side and moves it in two copies.
+        self.device_inputs, self.host_inputs = (
+            _StaticInputs(self._inputs, max_blocks, dev, pin=dev.type == "cuda", on=on)
+            for on in (dev, torch.device("cpu")))
+        self._copied = torch.cuda.Event() if dev.type == "cuda" else None
+        self.ids, self.pos, self.meta, self.plan = self.device_inputs.tensors
         self.logits: torch.Tensor | None = None  # [max_bs, V], made by the first capture
         self.graphs: dict[tuple[int, bool], Graph] = {}
         self.captures = 0
         self._addresses = self._weights_addresses()
+
+    def _inputs(self, take, take_table, max_blocks: int):
+        """ids, positions, attention metadata and LoRA plan, made by `take` (the block table
+        by `take_table`)."""
+        return (take(self.max_bs), take(self.max_bs),
+                self.attention.graph_metadata(self.max_bs, max_blocks, take, take_table),
+                self.lora.graph_plan(self.max_bs, take))
 
     def _weights_addresses(self) -> tuple[int, ...]:
         pool = self.lora.weights
@@ -202,12 +217,62 @@ class DecodeGraphs:
         b = self.bucket(n)
         with_lora = any(slot >= 0 for slot, _ in seq_slots)
         graph = self.graphs.get((b, with_lora)) or self._capture(b, with_lora)
+        if self._copied is not None:  # the last step's copies have read the host buffer
+            self._copied.synchronize()
+        h_ids, h_pos, h_meta, h_plan = self.host_inputs.tensors
         pad = b - n
-        self.ids[:b].copy_(torch.tensor(ids + [0] * pad))
-        self.pos[:b].copy_(torch.tensor(pos + [0] * pad))
-        self.attention.fill_graph_metadata(self.attention.graph_metadata_view(self.meta, b),
-                                           seqs, self.scratch_slot)
+        h_ids[:b] = torch.tensor(ids + [0] * pad)
+        h_pos[:b] = torch.tensor(pos + [0] * pad)
+        used = self.attention.fill_graph_metadata(
+            self.attention.graph_metadata_view(h_meta, b), seqs, self.scratch_slot)
         if with_lora:
-            self.lora.fill_graph_plan(self.lora.graph_plan_view(self.plan, b), seq_slots)
+            self.lora.fill_graph_plan(self.lora.graph_plan_view(h_plan, b), seq_slots)
+        self.device_inputs.copy_from(self.host_inputs, b, used)
+        if self._copied is not None:
+            self._copied.record()
         graph.replay()
         return self.logits[:n]
+
+
+class _StaticInputs:
+    """A decode graph's int64 inputs as views of two buffers on one device: `flat` for every
+    small tensor, `tables` for the block tables [max_bs, max_blocks]."""
+
+    def __init__(self, make, max_blocks: int, device, pin: bool, on) -> None:
+        shapes: list[tuple[int, ...]] = []
+        table: list[tuple[int, ...]] = []
+
+        def count(*shape):
+            shapes.append(shape)
+            return torch.empty(shape, dtype=torch.int64, device="meta")
+
+        def count_table(*shape):
+            table.append(shape)
+            return torch.empty(shape, dtype=torch.int64, device="meta")
+
+        make(count, count_table, max_blocks)
+        total = sum(_numel(sh) for sh in shapes)
+        kw = dict(dtype=torch.int64, device=on, pin_memory=pin and on.type == "cpu")
+        self.flat = torch.zeros(total, **kw)
+        self.tables = torch.zeros(table[0], **kw)
+        used = [0]
+
+        def take(*shape):
+            view = self.flat[used[0] : used[0] + _numel(shape)].view(shape)
+            used[0] += _numel(shape)
+            return view
+
+        self.tensors = make(take, lambda *shape: self.tables, max_blocks)
+
+    def copy_from(self, src: _StaticInputs, rows: int, cols: int) -> None:
+        """Everything but the block tables, then the tables' first rows and columns (the
+        columns past them are never read: the module docstring)."""
+        self.flat.copy_(src.flat, non_blocking=True)
+        self.tables[:rows, :cols].copy_(src.tables[:rows, :cols], non_blocking=True)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

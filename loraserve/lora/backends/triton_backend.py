@@ -61,17 +61,17 @@ class TritonLoraBackend(LoraBackend):
         return blocks, parts
 
     # --- captured decode steps (engine/cuda_graphs.py) ------------------------------------
-    def graph_plan(self, max_tokens: int) -> LoraPlan:
+    def graph_plan(self, max_tokens: int, take=None) -> LoraPlan:
         """A plan of fixed shapes for up to `max_tokens` tokens: every group's blocks and parts
         sized for the worst case (one block per token), the grids sized for the widest slot.
         A graph captured with it launches the same kernels whatever adapters a later batch
         mixes: `fill_graph_plan` rewrites the tensors, and unused rows are zeros, which the
-        kernels skip (padded rank 0, no columns)."""
+        kernels skip (padded rank 0, no columns). `take(*shape)` makes each int64 tensor
+        (default: zeros on the slot pool's device)."""
         dev, groups = self.weights.device, {}
+        take = take or (lambda *shape: torch.zeros(shape, dtype=torch.int64, device=dev))
         for g, lay in self.weights.layouts.items():
-            groups[g] = (torch.zeros(max_tokens, 4, dtype=torch.int64, device=dev),
-                         torch.zeros(max_tokens * len(GROUPS[g]), 8, dtype=torch.int64,
-                                     device=dev),
+            groups[g] = (take(max_tokens, 4), take(max_tokens * len(GROUPS[g]), 8),
                          lay.rank_capacity(self.weights.max_lora_rank), max(lay.d_outs))
         return LoraPlan(LoraBatch(max_tokens, ()), groups)
 

@@ -119,14 +119,15 @@ class TritonAttention(AttentionBackend):
                                        torch.tensor(tables, dtype=torch.int64, device=dev))
 
     # --- captured decode steps (engine/cuda_graphs.py) ------------------------------------
-    def graph_metadata(self, max_seqs: int, max_blocks: int) -> TritonAttentionMetadata:
+    def graph_metadata(self, max_seqs: int, max_blocks: int, take=None,
+                       take_table=None) -> TritonAttentionMetadata:
         """Metadata of fixed shapes for decode steps of up to `max_seqs` sequences (one new
-        token each) whose block tables hold up to `max_blocks` blocks."""
-        dev = self.device
-        return TritonAttentionMetadata(
-            torch.zeros(max_seqs, dtype=torch.int64, device=dev),
-            torch.zeros(max_seqs, 4, dtype=torch.int64, device=dev),
-            torch.zeros(max_seqs, max_blocks, dtype=torch.int64, device=dev))
+        token each) whose block tables hold up to `max_blocks` blocks. `take(*shape)` makes
+        each int64 tensor and `take_table` the block table (cuda_graphs.py carves them out of
+        its buffers); default: zeros on this backend's device."""
+        take = take or (lambda *shape: torch.zeros(shape, dtype=torch.int64, device=self.device))
+        return TritonAttentionMetadata(take(max_seqs), take(max_seqs, 4),
+                                       (take_table or take)(max_seqs, max_blocks))
 
     @staticmethod
     def graph_metadata_view(meta: TritonAttentionMetadata, num_seqs: int):
@@ -134,25 +135,28 @@ class TritonAttention(AttentionBackend):
                                        meta.tables[:num_seqs])
 
     def fill_graph_metadata(self, meta: TritonAttentionMetadata, seqs: Sequence[AttentionSeq],
-                            scratch_slot: int) -> None:
-        """Write a decode step into graph metadata. Rows past `seqs` are padding: a tile with
-        no rows (the kernel reads and writes nothing for it), its K/V stored to
-        `scratch_slot`, a cache slot no sequence owns."""
+                            scratch_slot: int) -> int:
+        """Write a decode step into graph metadata; returns the table columns written. Rows
+        past `seqs` are padding: a tile with no rows (the kernel reads and writes nothing for
+        it), its K/V stored to `scratch_slot`, a cache slot no sequence owns. Table entries
+        past a sequence's context are left as they were: the kernel never reads them."""
         n, width = meta.tiles.shape[0], meta.tables.shape[1]
         if len(seqs) > n or any(s.num_new != 1 or len(s.block_table) > width for s in seqs):
             raise ValueError("graph metadata takes one new token per sequence, within its size")
         bs, k = self.block_size, len(seqs)
+        used = max((len(s.block_table) for s in seqs), default=1)
         slots = [s.block_table[s.num_computed // bs] * bs + s.num_computed % bs for s in seqs]
         tiles = [(i, s.start, 1, s.num_computed) for i, s in enumerate(seqs)]
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        tables = [s.block_table + [0] * (used - len(s.block_table)) for s in seqs]
         # a padding tile is (its own row as sequence and first row, 0 rows)
         slots += [scratch_slot] * (n - k)
         tiles += [(i, i, 0, 0) for i in range(k, n)]
-        tables += [[0] * width] * (n - k)
+        tables += [[0] * used] * (n - k)
         slots, tiles, tables = (torch.tensor(a, dtype=torch.int64) for a in (slots, tiles, tables))
         meta.slot_mapping.copy_(slots)
         meta.tiles.copy_(tiles)
-        meta.tables.copy_(tables)
+        meta.tables[:, :used].copy_(tables)
+        return used
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TritonAttentionMetadata, scale: float,
                 window: int = 0, softcap: float = 0.0):
