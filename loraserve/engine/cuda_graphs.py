@@ -74,7 +74,10 @@ class CudaGraph:
             for _ in range(2):
                 step()
         torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(self.graph, pool=CudaGraph.pool):
+        # thread_local: disk-load workers may pin host memory while a graph is recorded (a
+        # moved slot pool is recorded again mid-serving); only this thread's calls must not
+        # break the capture
+        with torch.cuda.graph(self.graph, pool=CudaGraph.pool, capture_error_mode="thread_local"):
             step()
 
     def replay(self) -> None:
