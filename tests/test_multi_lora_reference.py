@@ -171,6 +171,9 @@ def test_tiny_mixed_batch_equals_peft_on_other_backends(tiny_model_dir, tiny_set
     # tests/conftest.py), chunked prefill included. Same tokens as PEFT's.
     monkeypatch.setenv("LORASERVE_LORA_BACKEND", backend)
     prompts, paths, refs = tiny_setup
+    if backend == "triton":  # the interpreter is slow: each group's longest prompt (chunked)
+        refs = {(g, 0): refs[(g, len(ps) - 1)] for g, ps in prompts.items()}
+        prompts = {g: ps[-1:] for g, ps in prompts.items()}
     outs, trace, llm = run_mixed(tiny_model_dir, paths, prompts, MAX_TOKENS,
                                  attention_backend=attention, max_num_batched_tokens=24)
     assert trace.chunks > 0
