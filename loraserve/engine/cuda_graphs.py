@@ -32,7 +32,9 @@ the host, tensors made from host data).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -149,9 +151,9 @@ class DecodeGraphs:
         # Every graph input is carved out of one device buffer (the block tables, wide and
         # mostly unused, out of one of their own), each with its twin in one host buffer,
         # pinned on a GPU: a step fills the host side and moves it in two copies.
-        self.device_inputs, self.host_inputs = (
-            _StaticInputs(self._inputs, max_blocks, dev, pin=dev.type == "cuda", on=on)
-            for on in (dev, torch.device("cpu")))
+        self.device_inputs = _StaticInputs(self._inputs, max_blocks, dev, pin=False)
+        self.host_inputs = _StaticInputs(self._inputs, max_blocks, torch.device("cpu"),
+                                         pin=dev.type == "cuda")
         self._copied = torch.cuda.Event() if dev.type == "cuda" else None
         self.ids, self.pos, self.meta, self.plan = self.device_inputs.tensors
         self.logits: torch.Tensor | None = None  # [max_bs, V], made by the first capture
@@ -192,7 +194,7 @@ class DecodeGraphs:
         plan = self.lora.graph_plan_view(self.plan, b) if with_lora else None
         if plan is not None:
             self.lora.fill_graph_plan(plan, [])
-        hook = None if plan is None else (lambda li, g, x, y: self.lora.apply(plan, li, g, x, y))
+        hook = None if plan is None else partial(self.lora.apply, plan)
         if self.logits is None:
             self.logits = torch.zeros(self.max_bs, self.model.lm_head.out_features,
                                       dtype=self.model.embed.dtype, device=self.ids.device)
@@ -238,31 +240,27 @@ class DecodeGraphs:
 
 
 class _StaticInputs:
-    """A decode graph's int64 inputs as views of two buffers on one device: `flat` for every
+    """A decode graph's int64 inputs as views of two buffers on device `on`: `flat` for every
     small tensor, `tables` for the block tables [max_bs, max_blocks]."""
 
-    def __init__(self, make, max_blocks: int, device, pin: bool, on) -> None:
-        shapes: list[tuple[int, ...]] = []
-        table: list[tuple[int, ...]] = []
+    def __init__(self, make, max_blocks: int, on: torch.device, pin: bool) -> None:
+        shapes: dict[str, list[tuple[int, ...]]] = {"flat": [], "table": []}
 
-        def count(*shape):
-            shapes.append(shape)
-            return torch.empty(shape, dtype=torch.int64, device="meta")
+        def counter(kind: str):  # a first pass with meta tensors: how much each buffer holds
+            def count(*shape):
+                shapes[kind].append(shape)
+                return torch.empty(shape, dtype=torch.int64, device="meta")
+            return count
 
-        def count_table(*shape):
-            table.append(shape)
-            return torch.empty(shape, dtype=torch.int64, device="meta")
-
-        make(count, count_table, max_blocks)
-        total = sum(_numel(sh) for sh in shapes)
-        kw = dict(dtype=torch.int64, device=on, pin_memory=pin and on.type == "cpu")
-        self.flat = torch.zeros(total, **kw)
-        self.tables = torch.zeros(table[0], **kw)
+        make(counter("flat"), counter("table"), max_blocks)
+        kw = dict(dtype=torch.int64, device=on, pin_memory=pin)
+        self.flat = torch.zeros(sum(math.prod(sh) for sh in shapes["flat"]), **kw)
+        self.tables = torch.zeros(shapes["table"][0], **kw)
         used = [0]
 
         def take(*shape):
-            view = self.flat[used[0] : used[0] + _numel(shape)].view(shape)
-            used[0] += _numel(shape)
+            view = self.flat[used[0] : used[0] + math.prod(shape)].view(shape)
+            used[0] += math.prod(shape)
             return view
 
         self.tensors = make(take, lambda *shape: self.tables, max_blocks)
@@ -272,10 +270,3 @@ class _StaticInputs:
         columns past them are never read: the module docstring)."""
         self.flat.copy_(src.flat, non_blocking=True)
         self.tables[:rows, :cols].copy_(src.tables[:rows, :cols], non_blocking=True)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

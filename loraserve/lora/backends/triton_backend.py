@@ -91,14 +91,12 @@ class TritonLoraBackend(LoraBackend):
                              f"{plan.batch.num_tokens}")
         for g, (blocks_t, parts_t, _, _) in plan.groups.items():
             segs = batch.group_segments(g)
-            blocks, parts = self._work(g, segs) if segs else ([], [])
-            host_b = torch.zeros(blocks_t.shape, dtype=torch.int64)
-            host_p = torch.zeros(parts_t.shape, dtype=torch.int64)
-            if blocks:
-                host_b[: len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
-                host_p[: len(parts)] = torch.tensor(parts, dtype=torch.int64)
-            blocks_t.copy_(host_b)
-            parts_t.copy_(host_p)
+            blocks_t.zero_()
+            parts_t.zero_()
+            if segs:
+                blocks, parts = self._work(g, segs)
+                blocks_t[: len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+                parts_t[: len(parts)] = torch.tensor(parts, dtype=torch.int64)
 
     def apply_group(self, plan: TritonPlan, group_A: torch.Tensor, group_B: torch.Tensor,
                     x: torch.Tensor, y: torch.Tensor) -> None:
