@@ -109,19 +109,20 @@ static inline __attribute__((always_inline)) void attend_avx2(
     for (int64_t j = 0; j < HG; j++) vmax[j] = _mm256_set1_ps(-INFINITY);
     for (int64_t t0 = 0; t0 < n; t0 += 8) {
         const int64_t nt = n - t0 < 8 ? n - t0 : 8;
-        const float *k[8];
-        for (int64_t j = 0; j < 8; j++) /* a short last group repeats its last token */
-            k[j] = kbase + slot_of(table, t_begin + t0 + (j < nt ? j : nt - 1), block_size)
-                               * tok_stride;
+        const float *k[8], *pv[8]; /* this group's K rows, and its V rows (prefetched below) */
+        for (int64_t j = 0; j < 8; j++) { /* a short last group repeats its last token */
+            const int64_t row = slot_of(table, t_begin + t0 + (j < nt ? j : nt - 1), block_size)
+                                * tok_stride;
+            k[j] = kbase + row;
+            pv[j] = vbase + row;
+        }
         /* Prefetch, spread over the head loop below (a burst of ~100 overflows the miss
          * buffers and is dropped): K rows two groups ahead, and this group's V rows, which
          * the weighted sum reads after the whole score pass (into L2) */
-        const float *pk[8], *pv[8];
+        const float *pk[8];
         int64_t npk = 0;
         for (int64_t j = t0 + 16; j < t0 + 24 && j < n; j++)
             pk[npk++] = kbase + slot_of(table, t_begin + j, block_size) * tok_stride;
-        for (int64_t j = 0; j < nt; j++)
-            pv[j] = vbase + slot_of(table, t_begin + t0 + j, block_size) * tok_stride;
         const int64_t lpr = H * HD / 16, totk = npk * lpr, totv = nt * lpr;
         for (int64_t hg = 0; hg < HG; hg++) {
             for (int64_t li = hg * totk / HG; li < (hg + 1) * totk / HG; li++)
