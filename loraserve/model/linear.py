@@ -1,8 +1,9 @@
 """Dense projections `y = x @ W.T` on the fastest GEMM the weight's device and dtype have.
 
-float32 on CPU (loraserve/ops/gemm.py): packed once at load time when oneDNN is there (the
-plain weight is not kept; `weight` unpacks a copy on demand), else MKL on the transposed
-weight. Anything else (a GPU, bf16/fp16): F.linear on the plain weight, cuBLAS's job.
+float32 on CPU (loraserve/ops/gemm.py picks per ISA): packed once at load time for our AVX2
+kernel or for oneDNN (the plain weight is not kept; `weight` unpacks a copy on demand), else
+MKL on the transposed weight. Anything else (a GPU, bf16/fp16): F.linear on the plain weight,
+cuBLAS's job.
 """
 
 from __future__ import annotations
@@ -10,7 +11,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loraserve.ops.gemm import gemm_backend, onednn_linear, pack_weight
+from loraserve.ops.gemm import (
+    gemm_backend,
+    onednn_linear,
+    pack_panels,
+    pack_weight,
+    panel_linear,
+    unpack_panels,
+)
 
 
 class Linear:
@@ -22,7 +30,11 @@ class Linear:
         on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
         self.backend = gemm_backend() if on_cpu else "plain"
         self._plain = None if on_cpu else weight.detach().contiguous()
+        self._panels = None
         if not on_cpu:
+            self._packed = self._weight_t = None
+        elif self.backend == "avx2":
+            self._panels = pack_panels(weight)
             self._packed = self._weight_t = None
         elif self.backend == "onednn":
             self._packed = pack_weight(weight)
@@ -33,6 +45,8 @@ class Linear:
             self._weight_t = weight.detach().t().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, d_in] -> [T, d_out]
+        if self._panels is not None:
+            return panel_linear(x, self._panels, self.out_features)
         if self._packed is not None:
             return onednn_linear(x, self._packed)
         if self._plain is not None:
@@ -42,6 +56,8 @@ class Linear:
     @property
     def weight(self) -> torch.Tensor:
         """The `[d_out, d_in]` weight as a plain tensor (a copy when packed)."""
+        if self._panels is not None:
+            return unpack_panels(self._panels, self.out_features)
         if self._packed is not None:
             return self._packed.to_dense()
         if self._plain is not None:

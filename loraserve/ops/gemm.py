@@ -1,33 +1,74 @@
 """The fastest float32 GEMM this CPU has, shared by the model's projections and the LoRA op.
 
-`torch.mm` goes to MKL's sgemm. On the AMD EPYC machines here MKL takes a slow path: 160-210
-GFLOP/s, and 14 GFLOP/s for the batch-1 lm_head. oneDNN's linear on a weight prepacked into
-its blocked layout reaches 400-480 GFLOP/s on the same shapes, and streams the batch-1 lm_head
-3x faster (measured per shape at batch 1, 7, 64, 200 and 2048; docs/benchmarks.md).
+Three backends, chosen per ISA from measurements (docs/benchmarks.md, benchmarks/gemm_shapes.py):
+- "avx2": our kernel (ops/gemm_cpu.c) on a weight packed into 16-column panels. On AVX2-only
+  hosts (AMD Zen 3 here) it runs a decode step's 64-row projections at 0.77-0.83 of oneDNN's
+  time, batch 1 at 0.70 and 2048-row prefills at 0.93-0.96: the default where torch's CPU
+  capability is AVX2 (a real AVX2 host, or an AVX-512 one imitating it).
+- "onednn": oneDNN's linear on a weight prepacked into its blocked layout. Where AVX-512 is
+  used it reached 400-480 GFLOP/s against MKL's 160-210, and our AVX2 tiles cannot use the
+  wider registers: the default there.
+- "mkl": plain `torch.mm` (what transformers runs): where neither of the others is built.
 
-`LORASERVE_GEMM=mkl` forces the plain `torch.mm` path: for comparisons, and for CPUs where
-oneDNN is not built in.
+`LORASERVE_GEMM=avx2|onednn|mkl` forces one (comparisons, tests); `auto` (the default) picks
+as above.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import threading
+from pathlib import Path
 
 import torch
+
+from loraserve.ops.cbuild import load_library
 
 # oneDNN packs for a batch-size hint; 64 measured as fast as 2048 from 7 rows up, and as fast
 # as 1 at batch 1.
 PACK_BATCH_HINT = 64
+PANEL = 16  # columns per panel of the avx2 kernel's packed weight
+_BACKENDS = ("auto", "avx2", "onednn", "mkl")
+_SOURCE = Path(__file__).with_name("gemm_cpu.c")
+_lock = threading.Lock()
+_lib: list[ctypes.CDLL | None] = []
+
+
+def _kernel() -> ctypes.CDLL | None:
+    """The avx2 GEMM library, or None where it cannot be built or the CPU lacks AVX2 + FMA."""
+    with _lock:
+        if not _lib:
+            lib = load_library(_SOURCE, [], "the AVX2 GEMM kernel")
+            if lib is not None:
+                i64, ptr = ctypes.c_int64, ctypes.c_void_p
+                lib.gemm_pack.argtypes = [ptr, i64, i64, i64, ptr]
+                lib.gemm_packed.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, i64, ctypes.c_int]
+                lib.gemm_pack.restype = lib.gemm_packed.restype = None
+                if not lib.gemm_available():  # built without AVX2 + FMA: the stubs
+                    lib = None
+            _lib.append(lib)
+        return _lib[0]
 
 
 def gemm_backend() -> str:
-    """'onednn' or 'mkl': read when weights are packed, so a process can compare both."""
-    want = os.environ.get("LORASERVE_GEMM", "onednn").lower()
-    if want not in ("onednn", "mkl"):
-        raise ValueError(f"LORASERVE_GEMM must be 'onednn' or 'mkl', not {want!r}")
-    if want == "onednn" and torch.backends.mkldnn.is_available():
-        return "onednn"
-    return "mkl"
+    """'avx2', 'onednn' or 'mkl': read when weights are packed, so a process can compare them."""
+    want = os.environ.get("LORASERVE_GEMM", "auto").lower()
+    if want not in _BACKENDS:
+        raise ValueError(f"LORASERVE_GEMM must be one of {', '.join(_BACKENDS)}, not {want!r}")
+    if want == "auto":
+        want = "avx2" if torch.backends.cpu.get_cpu_capability() == "AVX2" else "onednn"
+    if want == "avx2" and _kernel() is None:
+        want = "onednn"
+    if want == "onednn" and not torch.backends.mkldnn.is_available():
+        want = "mkl"
+    return want
+
+
+def onednn_enabled() -> bool:
+    """Whether ad-hoc products (the torch LoRA path) should go through oneDNN rather than MKL:
+    everywhere it is built, unless LORASERVE_GEMM=mkl asks for the plain path."""
+    return gemm_backend() != "mkl"
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -40,3 +81,33 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T through oneDNN; `weight` packed or plain `[d_out, d_in]` (a strided view
     too: no copy)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 `[d_out, d_in]` weight as the avx2 kernel's panels: `[ceil(d_out / 16), d_in,
+    16]`, zeros past d_out."""
+    w = weight.detach().contiguous()
+    n, k = w.shape
+    out = torch.empty(-(-n // PANEL), k, PANEL, dtype=torch.float32)
+    _kernel().gemm_pack(w.data_ptr(), k, n, k, out.data_ptr())
+    return out
+
+
+def unpack_panels(panels: torch.Tensor, d_out: int) -> torch.Tensor:
+    """The plain `[d_out, d_in]` weight back from `pack_panels` (a copy)."""
+    return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:d_out].contiguous()
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, d_out: int) -> torch.Tensor:
+    """x @ W.T on the avx2 kernel, W packed by `pack_panels`; x: float32 `[T, d_in]` with unit
+    inner stride (row stride free)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise TypeError(f"the avx2 GEMM takes float32 CPU inputs, not {x.dtype} on {x.device}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, d_out, dtype=torch.float32)
+    if m:
+        _kernel().gemm_packed(x.data_ptr(), x.stride(0), panels.data_ptr(), m, d_out, k,
+                              y.data_ptr(), d_out, torch.get_num_threads())
+    return y

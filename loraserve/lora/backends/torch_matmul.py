@@ -12,7 +12,7 @@ import torch
 from loraserve.lora.backends.base import LoraBackend
 from loraserve.lora.batch import LoraBatch, SlotWeights
 from loraserve.lora.layout import B_STRIP, Part, padded_rank
-from loraserve.ops.gemm import gemm_backend, onednn_linear
+from loraserve.ops.gemm import onednn_enabled, onednn_linear
 
 # One expand part as indices: (t_idx, y_idx, b_idx, block shape); t_idx/y_idx None = the whole
 # tensor; group_B[b_idx].view(shape) is the module's block of B.
@@ -30,7 +30,7 @@ class TorchLoraBackend(LoraBackend):
     def __init__(self, weights: SlotWeights) -> None:
         super().__init__(weights)
         # oneDNN's GEMM is 1.3-2x MKL's sgemm on long segments here (ops/gemm.py)
-        self.onednn = gemm_backend() == "onednn"
+        self.onednn = onednn_enabled()
 
     def plan_group(self, batch: LoraBatch, group: str,
                    segments: list[tuple[int, int, int, int]]) -> tuple[SegmentPlan, ...]:
