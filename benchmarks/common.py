@@ -9,18 +9,27 @@ from pathlib import Path
 
 import torch
 
+from loraserve.ops import gemm as loraserve_gemm
 from loraserve.ops.gemm import onednn_linear
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "bench-results"
 
 
-def gemm_gflops(n: int = 2048, reps: int = 5, backend: str = "mkl") -> float:
+def gemm_gflops(n: int = 2048, reps: int = 5, backend: str = "mkl") -> float | None:
     """fp32 n³ GEMM rate measured now, on these cores (the compute floor's denominator).
 
     backend "mkl": `torch.mm` (what transformers runs); "onednn": the prepacked oneDNN linear
-    loraserve runs (loraserve/model/linear.py), 2-2.5x faster on the AMD CPUs here."""
+    (loraserve's on AVX-512, 2-2.5x MKL there); "avx2": loraserve's own kernel on its
+    packed panels (ops/gemm_cpu.c, loraserve's on AVX2 hosts). None where it is not built."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    if backend == "onednn":
+    if backend == "avx2":
+        if loraserve_gemm._kernel() is None:
+            return None
+        panels = loraserve_gemm.pack_panels(b)
+
+        def gemm():
+            return loraserve_gemm.panel_linear(a, panels, n)
+    elif backend == "onednn":
         packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
 
         def gemm():

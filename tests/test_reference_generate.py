@@ -141,9 +141,12 @@ def test_tiny_batch_equals_hf(tiny_model_dir, name):
     check_against_hf(tiny_model_dir, CONFIGS[name], name)
 
 
-def test_tiny_batch_equals_hf_on_plain_mkl_gemm(tiny_model_dir, monkeypatch):
-    # The fallback GEMM path (no oneDNN packing) gives the same greedy tokens.
-    monkeypatch.setenv("LORASERVE_GEMM", "mkl")
+@pytest.mark.parametrize("backend", ["mkl", "onednn", "avx2"])
+def test_tiny_batch_equals_hf_on_each_gemm(tiny_model_dir, monkeypatch, backend):
+    # Every GEMM backend gives the same greedy tokens: the plain MKL fallback, oneDNN (the
+    # default on AVX-512 hosts) and our AVX2 kernel (the default on AVX2 ones), whichever
+    # this host would pick.
+    monkeypatch.setenv("LORASERVE_GEMM", backend)
     check_against_hf(tiny_model_dir, CONFIGS["chunked"], "chunked")
 
 
