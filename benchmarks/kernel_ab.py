@@ -10,7 +10,9 @@ current slot-pool layout, so compare sources that agree on it.
     .venv/bin/python benchmarks/kernel_ab.py --b-flags=-DLORA_BF16 --b-dtype bfloat16
 
 Reports each side's median time per step and the median of the per-round ratios b/a.
-KAB_THREADS=N runs both on N threads (default 2).
+KAB_THREADS=N runs both on N threads (default 2). Each side reads a pool of its build's
+preferred tile width (16 on AVX2, 64 on AVX-512; 64 for sources older than the tile argument),
+or --a-tile / --b-tile.
 """
 
 from __future__ import annotations
@@ -44,16 +46,23 @@ def build(src: str, flags: str, dtype: torch.dtype, out_dir: Path, tag: str) -> 
                    check=True)
     lib = ctypes.CDLL(str(out))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.lora_sgmv.restype = ctypes.c_int
-    lib.lora_sgmv.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ptr, i64,
-                              ptr, i64, ptr, i64, ptr, i64, ctypes.c_int]
+    fn = lib.lora_sgmv
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, ptr, i64, ptr, i64]
+    if hasattr(lib, "lora_preferred_tile"):  # takes the pool's tile width before the threads
+        fn.argtypes += [i64, ctypes.c_int]
+        lib.preferred = lib.lora_preferred_tile()
+    else:  # an older source: 64-wide tiles, no tile argument
+        fn.argtypes += [ctypes.c_int]
+        lib.lora_sgmv = lambda *a: fn(*a[:-2], a[-1])
+        lib.preferred = 64
     lib.weight_dtype = dtype
     return lib
 
 
 def step(lib: ctypes.CDLL, pools: dict, seqs: list, xs: dict, ys: dict) -> float:
     """Seconds for the LoRA ops of one step (every layer and group) on `lib`."""
-    pool = pools[lib.weight_dtype]
+    pool = pools[lib.weight_dtype, lib.tile]
     backend = CpuKernelLoraBackend(pool)
     backend.kernel = lib  # this side's build instead of the cached one
     plan = backend.plan(seqs)
@@ -73,6 +82,8 @@ def main() -> None:
     ap.add_argument("--b-flags", default="")
     ap.add_argument("--a-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--b-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--a-tile", type=int, default=0, help="pool tile width (0: preferred)")
+    ap.add_argument("--b-tile", type=int, default=0)
     ap.add_argument("--tokens", default="64,2048", help="tokens per step, comma-separated")
     ap.add_argument("--rounds", type=int, default=10)
     args = ap.parse_args()
@@ -81,13 +92,15 @@ def main() -> None:
     sides = [(build(args.a, args.a_flags, getattr(torch, args.a_dtype), tmp, "a"), "a"),
              (build(args.b, args.b_flags, getattr(torch, args.b_dtype), tmp, "b"), "b")]
     ranks = [(8, 16, 32, 64)[k % 4] for k in range(NUM_ADAPTERS)]
-    pools: dict[torch.dtype, LoraSlotPool] = {}
-    for lib, _ in sides:
-        if lib.weight_dtype not in pools:
-            pool = LoraSlotPool(SMOLLM2, NUM_ADAPTERS, 64, dtype=lib.weight_dtype)
+    pools: dict[tuple[torch.dtype, int], LoraSlotPool] = {}
+    for (lib, _), tile in zip(sides, (args.a_tile, args.b_tile), strict=True):
+        lib.tile = tile or lib.preferred
+        if (lib.weight_dtype, lib.tile) not in pools:
+            pool = LoraSlotPool(SMOLLM2, NUM_ADAPTERS, 64, dtype=lib.weight_dtype,
+                                tile_width=lib.tile)
             for s, r in enumerate(ranks):
                 pool.write(s, synthetic_adapter(SMOLLM2, r, s))
-            pools[lib.weight_dtype] = pool
+            pools[lib.weight_dtype, lib.tile] = pool
     layouts = next(iter(pools.values())).layouts
     for T in (int(t) for t in args.tokens.split(",")):
         seqs = [(s, 1) for s in range(NUM_ADAPTERS) for _ in range(T // NUM_ADAPTERS)]

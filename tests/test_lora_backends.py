@@ -13,18 +13,23 @@ from test_lora_ops import CFG, MAX_RANK, make_adapter
 from loraserve.adapters.slot_pool import LoraSlotPool
 from loraserve.config import LORA_MODULES
 from loraserve.lora import sgmv_cpu
-from loraserve.lora.backends import LORA_BACKENDS, LoraBackend, create_lora_backend
+from loraserve.lora.backends import (
+    LORA_BACKENDS,
+    LoraBackend,
+    create_lora_backend,
+    pool_tile_width,
+)
 from loraserve.lora.batch import LoraBatch
 from loraserve.lora.reference import lora_reference
 
 
-def random_pool(rng: random.Random):
+def random_pool(rng: random.Random, tile: int = 64):
     """Six adapters of random ranks in 4..64 on random module subsets, one slot left empty."""
     adapters = []
     for _ in range(6):
         mods = rng.sample(LORA_MODULES, rng.randint(1, len(LORA_MODULES)))
         adapters.append(make_adapter(100 + rng.randrange(10**6), rng.randint(4, MAX_RANK), mods))
-    pool = LoraSlotPool(CFG, len(adapters) + 1, MAX_RANK)
+    pool = LoraSlotPool(CFG, len(adapters) + 1, MAX_RANK, tile_width=tile)
     for s, w in enumerate(adapters):
         pool.write(s, w)
     return pool, adapters
@@ -32,9 +37,15 @@ def random_pool(rng: random.Random):
 
 @pytest.mark.parametrize("name", sorted(LORA_BACKENDS))
 @pytest.mark.parametrize("seed", range(3))
-def test_backend_equals_reference_through_the_abc(name, seed):
+@pytest.mark.parametrize("tile", [16, 64])
+def test_backend_equals_reference_through_the_abc(name, seed, tile):
     rng = random.Random(seed)
-    pool, adapters = random_pool(rng)
+    pool, adapters = random_pool(rng, tile)
+    lib = sgmv_cpu.load()
+    if name == "triton" and tile != 64 or name == "cpu" and not sgmv_cpu.accepts_tile(lib, tile):
+        with pytest.raises(ValueError, match="tile width"):
+            create_lora_backend(pool, name)  # refused, never read in the wrong layout
+        return
     backend = create_lora_backend(pool, name)
     assert isinstance(backend, LoraBackend) and backend.name == name
     seqs = []
@@ -97,3 +108,19 @@ def test_cpu_falls_back_to_torch_without_a_compiler(monkeypatch, tmp_path, caplo
         backend = create_lora_backend(pool, "cpu")
     assert backend.name == "torch"
     assert "C LoRA kernel" in caplog.text and "torch" in caplog.text
+
+
+def test_pool_tile_width_follows_the_backend_that_will_run(monkeypatch):
+    # The engine lays its slot pool out for the backend it is about to create: the C kernel's
+    # preferred width (16 on AVX2 builds, 64 on AVX-512), 64 for torch, triton and any GPU.
+    monkeypatch.delenv("LORASERVE_LORA_BACKEND", raising=False)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    native = sgmv_cpu.preferred_tile(sgmv_cpu.load())
+    assert native in (16, 64)
+    assert pool_tile_width(None, torch.float32, cpu) == native
+    assert pool_tile_width("cpu", torch.bfloat16, cpu) == native
+    assert pool_tile_width("torch", torch.float32, cpu) == 64
+    assert pool_tile_width("triton", torch.float32, cpu) == 64
+    assert pool_tile_width(None, torch.float32, cuda) == 64
+    monkeypatch.setenv("LORASERVE_LORA_BACKEND", "torch")
+    assert pool_tile_width(None, torch.float32, cpu) == 64

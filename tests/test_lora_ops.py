@@ -16,7 +16,15 @@ from loraserve.lora import sgmv_cpu
 from loraserve.lora.backends import LORA_BACKENDS
 from loraserve.lora.backends.torch_matmul import TorchLoraBackend
 from loraserve.lora.batch import LoraBatch
-from loraserve.lora.layout import GROUPS, MODULE_TO_GROUP, group_layouts, padded_rank
+from loraserve.lora.layout import (
+    GROUPS,
+    MODULE_TO_GROUP,
+    TILE_WIDTHS,
+    a_tiles,
+    b_strips,
+    group_layouts,
+    padded_rank,
+)
 from loraserve.lora.reference import lora_reference
 
 KERNEL = sgmv_cpu.load()
@@ -85,8 +93,8 @@ ADAPTERS = [
 ]
 
 
-def full_pool() -> LoraSlotPool:
-    pool = LoraSlotPool(CFG, len(ADAPTERS), MAX_RANK)
+def full_pool(tile: int = 64) -> LoraSlotPool:
+    pool = LoraSlotPool(CFG, len(ADAPTERS), MAX_RANK, tile_width=tile)
     for s, w in enumerate(ADAPTERS):
         pool.write(s, w)
     return pool
@@ -116,10 +124,17 @@ def test_c_kernel_builds_here():
     assert KERNEL is not None
 
 
-@pytest.mark.parametrize("path", list(PATHS))
+def tile_cases():
+    # every backend reads 64-wide pools; the C kernel (AVX2 builds) and torch read 16 too
+    return [(p, t) for p in PATHS for t in TILE_WIDTHS if t == 64 or p != "triton"]
+
+
+@pytest.mark.parametrize("path,tile", tile_cases())
 @pytest.mark.parametrize("seed", range(4))
-def test_fast_op_matches_reference_on_mixed_batches(path, seed):
-    pool = full_pool()
+def test_fast_op_matches_reference_on_mixed_batches(path, tile, seed):
+    if path == "kernel" and not sgmv_cpu.accepts_tile(KERNEL, tile):
+        pytest.skip(f"this CPU's kernel build reads {sgmv_cpu.preferred_tile(KERNEL)}-wide tiles")
+    pool = full_pool(tile)
     rng = random.Random(seed)
     seqs = []
     for s in rng.sample(range(len(ADAPTERS)), len(ADAPTERS)):
@@ -130,22 +145,26 @@ def test_fast_op_matches_reference_on_mixed_batches(path, seed):
     check_all_groups(pool, seqs, ADAPTERS, seed, path)
 
 
-@pytest.mark.parametrize("path", list(PATHS))
-def test_long_segments_and_every_tile_shape(path):
+@pytest.mark.parametrize("path,tile", tile_cases())
+def test_long_segments_and_every_tile_shape(path, tile):
     # prefill-length segments (past the kernel's 60-token work chunks), token counts that
     # leave 1..5-token tails of the 6-token tiles, and every packed-rank width
-    pool = full_pool()
+    if path == "kernel" and not sgmv_cpu.accepts_tile(KERNEL, tile):
+        pytest.skip(f"this CPU's kernel build reads {sgmv_cpu.preferred_tile(KERNEL)}-wide tiles")
+    pool = full_pool(tile)
     seqs = [(8, 131), (None, 3), (4, 61), (0, 6), (5, 17), (1, 2), (2, 64), (3, 5), (6, 9),
             (7, 530)]  # past the kernel's 256-token expand chunks too
     check_all_groups(pool, seqs, ADAPTERS, seed=7, path=path)
 
 
-@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("path,tile", tile_cases())
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decode_batch_of_many_adapters(path, threads):
+def test_decode_batch_of_many_adapters(path, tile, threads):
     # >= 4 short segments per thread: the kernel gives each thread whole segments (shrink, then
     # expand) in rank order, with no barrier; base tokens sit between them
-    pool = full_pool()
+    if path == "kernel" and not sgmv_cpu.accepts_tile(KERNEL, tile):
+        pytest.skip(f"this CPU's kernel build reads {sgmv_cpu.preferred_tile(KERNEL)}-wide tiles")
+    pool = full_pool(tile)
     seqs = []
     for s in [8, 0, 3, 5, 1, 7, 2, 6, 4]:
         seqs += [(s, 1)] * (1 + s % 4) + [(None, 1)] * (s % 2)
@@ -298,3 +317,31 @@ def test_clear_and_nbytes():
     lays = group_layouts(CFG)
     per_rank = sum(len(lay.modules) * lay.d_in + lay.d_out for lay in lays.values())
     assert pool.nbytes == len(ADAPTERS) * CFG.num_hidden_layers * MAX_RANK * 4 * per_rank
+
+
+def test_tile_widths_lay_out_the_same_weights():
+    # A 16-wide pool holds the same A.T and B.T as a 64-wide one, only cut into narrower tiles
+    # and strips; a width the kernels cannot read is refused.
+    narrow, wide = full_pool(16), full_pool(64)
+    for slot in range(len(ADAPTERS)):
+        for g, lay in wide.layouts.items():
+            r = wide.rank(slot, g)
+            assert narrow.rank(slot, g) == r and narrow.parts(slot, g) == wide.parts(slot, g)
+            if r == 0:
+                continue
+
+            def a_t(pool, slot=slot, g=g, lay=lay):
+                row = pool.A[0][g][slot]
+                return torch.cat([row[off : off + lay.d_in * w].view(lay.d_in, w)
+                                  for _, w, off in pool.a_tiles(slot, g)], dim=1)
+            assert torch.equal(a_t(narrow), a_t(wide))
+            for o0, o1, c0, c1, boff in wide.parts(slot, g):
+                def bt(pool, width, o0=o0, o1=o1, c0=c0, c1=c1, boff=boff, slot=slot, g=g):
+                    block = pool.B[0][g][slot][boff:]
+                    return torch.cat([block[off : off + (o1 - o0) * w].view(o1 - o0, w)
+                                      for _, w, off in b_strips(o1 - o0, c1 - c0, width)], 1)
+                assert torch.equal(bt(narrow, 16), bt(wide, 64))
+    assert [w for _, w, _ in a_tiles(120, 8, 16)] == [16] * 7 + [8]
+    with pytest.raises(ValueError, match="tile_width"):
+        LoraSlotPool(CFG, 1, MAX_RANK, tile_width=32)
+    assert not sgmv_cpu.accepts_tile(KERNEL, 32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_lora_ops import ADAPTERS, CFG, KERNEL, MAX_RANK, PATHS, check_all_groups
+from test_lora_ops import ADAPTERS, CFG, KERNEL, MAX_RANK, check_all_groups, tile_cases
 
 from loraserve.adapters.format import LoraAdapterWeights, LoraModuleWeights
 from loraserve.adapters.slot_pool import LoraSlotPool
@@ -22,14 +22,16 @@ def rounded_to_bf16(w: LoraAdapterWeights) -> LoraAdapterWeights:
     return LoraAdapterWeights(w.path, w.rank, w.target_modules, layers, w.nbytes, w.fingerprint)
 
 
-@pytest.mark.parametrize("path", list(PATHS))
-def test_bf16_pool_equals_the_op_on_rounded_weights(path):
-    pool = LoraSlotPool(CFG, len(ADAPTERS), MAX_RANK, dtype=torch.bfloat16)
+@pytest.mark.parametrize("path,tile", tile_cases())
+def test_bf16_pool_equals_the_op_on_rounded_weights(path, tile):
+    kernel = sgmv_cpu.load(torch.bfloat16)
+    assert kernel is not None and kernel is not KERNEL
+    if path == "kernel" and not sgmv_cpu.accepts_tile(kernel, tile):
+        pytest.skip(f"this CPU's kernel build reads {sgmv_cpu.preferred_tile(kernel)}-wide tiles")
+    pool = LoraSlotPool(CFG, len(ADAPTERS), MAX_RANK, dtype=torch.bfloat16, tile_width=tile)
     for s, w in enumerate(ADAPTERS):
         pool.write(s, w)
     assert pool.A[0]["qkv"].dtype == pool.B[0]["qkv"].dtype == torch.bfloat16
-    kernel = sgmv_cpu.load(torch.bfloat16)
-    assert kernel is not None and kernel is not KERNEL
     seqs = [(8, 70), (None, 3), (4, 1), (0, 6), (5, 17), (1, 2), (2, 1), (3, 5), (6, 4), (7, 1)]
     check_all_groups(pool, seqs, [rounded_to_bf16(w) for w in ADAPTERS], seed=3, path=path,
                      kernel=kernel)

@@ -6,9 +6,10 @@ Layout, per layer and module group g (see lora/layout.py):
 with R_g = len(modules of g) * max_lora_rank (padded to 8). An adapter's modules of a group
 are packed side by side along the rank axis: module m takes rank columns [o_m, o_m + r_m) of
 A.T ([d_in, r], r = the packed rank padded to 8, zero past the modules), which is stored as
-row-major [d_in, <= 64] tiles one after another (layout.a_tiles), and a contiguous block of B
-at offset boff_m holding B_m.T (already scaled), [r_m, d_out_m], as row-major [r_m, <= 64]
-column strips one after another (layout.b_strips). So for every module
+row-major [d_in, <= W] tiles one after another (layout.a_tiles), and a contiguous block of B
+at offset boff_m holding B_m.T (already scaled), [r_m, d_out_m], as row-major [r_m, <= W]
+column strips one after another (layout.b_strips), W = the pool's `tile_width` (64, or 16
+for the C kernel's AVX2 build). So for every module
     y_g[:, cols_m] += (x @ A.T)[:, o_m:o_m + r_m] @ B_block_m
 adds exactly its delta, and the kernel reads only the adapter's own weights, each register
 tile's weights in one contiguous stream: A is transposed so the shrink is a broadcast-FMA GEMM
@@ -36,6 +37,8 @@ from loraserve.config import ModelConfig
 from loraserve.lora.layout import (
     GROUP_NAMES,
     MODULE_TO_GROUP,
+    RANK_TILE,
+    TILE_WIDTHS,
     GroupLayout,
     Part,
     a_tiles,
@@ -60,9 +63,13 @@ class LoraSlotPool:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         copies: StreamSlotCopies | None = None,
+        tile_width: int = RANK_TILE,
     ) -> None:
         if num_slots < 1 or max_lora_rank < 1:
             raise ValueError("num_slots and max_lora_rank must be >= 1")
+        if tile_width not in TILE_WIDTHS:
+            raise ValueError(f"tile_width must be one of {TILE_WIDTHS}, not {tile_width}")
+        self.tile_width = tile_width  # of A tiles and B strips (layout.py)
         self.model_config = model_config
         self.num_slots = num_slots
         self.max_lora_rank = max_lora_rank
@@ -105,7 +112,7 @@ class LoraSlotPool:
 
     def a_tiles(self, slot: int, group: str) -> tuple[tuple[int, int, int], ...]:
         """(first rank column, width, offset) of each [d_in, width] tile of the slot's A.T."""
-        return a_tiles(self._ranks[slot][group], self.layouts[group].d_in)
+        return a_tiles(self._ranks[slot][group], self.layouts[group].d_in, self.tile_width)
 
     def parts(self, slot: int, group: str) -> tuple[Part, ...]:
         """One expand part (o0, o1, c0, c1, boff) per module of `group` the slot's adapter
@@ -173,11 +180,11 @@ class LoraSlotPool:
                 a_t[g][:, o0 : o0 + r].copy_(mw.A.T)
                 block = rows[layer][g][1][boff : boff + (o1 - o0) * (c1 - c0)]
                 bt = mw.B.T  # [r, d_out]; rows past this layer's rank stay zero
-                for s0, w, off in b_strips(o1 - o0, c1 - c0):
+                for s0, w, off in b_strips(o1 - o0, c1 - c0, self.tile_width):
                     block[off : off + (o1 - o0) * w].view(o1 - o0, w)[:r].copy_(bt[:, s0 : s0 + w])
             for g, full in a_t.items():
                 d_in = self.layouts[g].d_in
-                for t0, w, off in a_tiles(ranks[g], d_in):
+                for t0, w, off in a_tiles(ranks[g], d_in, self.tile_width):
                     rows[layer][g][0][off : off + d_in * w].view(d_in, w).copy_(
                         full[:, t0 : t0 + w])
         if self.copies is not None:

@@ -28,7 +28,7 @@ from loraserve.engine.output_processor import OutputProcessor, to_output
 from loraserve.engine.runner import ModelRunner
 from loraserve.kvcache.manager import KVCacheManager
 from loraserve.kvcache.prefix_hash import BASE_NAMESPACE, adapter_namespace
-from loraserve.lora.backends import create_lora_backend
+from loraserve.lora.backends import create_lora_backend, pool_tile_width
 from loraserve.model.attention import create_attention_backend
 from loraserve.model.bundled import resolve_model_path
 from loraserve.model.loader import load_model
@@ -65,8 +65,10 @@ class LLMEngine:
         # unified: the pool grows as adapters arrive (store._settle), from a few slots
         first = min(4, c.max_loaded_loras or 4) if unified else c.num_lora_slots
         lora_dtype = self.dtype if c.lora_dtype == "auto" else c.lora_torch_dtype
-        self.slot_pool = LoraSlotPool(mc, first, c.max_lora_rank, dtype=lora_dtype,
-                                      device=self.device)
+        lora_name = c.lora_backend or (None if self.device.type == "cpu" else "triton")
+        self.slot_pool = LoraSlotPool(
+            mc, first, c.max_lora_rank, dtype=lora_dtype, device=self.device,
+            tile_width=pool_tile_width(lora_name, lora_dtype, self.device))
         # after the weights and the slot pool: on a GPU the cache gets what they leave
         self.kv_sizing = size_kv_cache(c, mc, self.device, self.dtype)
         num_blocks = self.kv_sizing.tokens // c.block_size
@@ -80,8 +82,7 @@ class LLMEngine:
                                   max_loras_prefetch=c.max_loras_prefetch,
                                   reserved_names=frozenset({mc.name}), unified=unified,
                                   unified_prefetch=c.unified_prefetch)
-        lora = create_lora_backend(self.slot_pool, c.lora_backend
-                                   or (None if self.device.type == "cpu" else "triton"))
+        lora = create_lora_backend(self.slot_pool, lora_name)
         default_attention = "cpu" if self.device.type == "cpu" else "triton"
         attention = create_attention_backend(c.attention_backend or default_attention,
                                              c.block_size, self.device)

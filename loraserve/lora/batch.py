@@ -25,6 +25,7 @@ class SlotWeights(Protocol):
     B: list[dict[str, torch.Tensor]]  # per layer, per group: [S, max_rank * d_out_g]
     dtype: torch.dtype
     device: torch.device
+    tile_width: int  # of A tiles and B strips (layout.py)
 
     def rank(self, slot: int, group: str) -> int: ...
 

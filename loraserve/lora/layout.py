@@ -23,17 +23,20 @@ MODULE_TO_GROUP: dict[str, str] = {m: g for g, mods in GROUPS.items() for m in m
 
 # Shrink weights are stored transposed, in tiles of this many rank columns (the C kernel's
 # register tile, lora/sgmv_cpu.c), and packed ranks are padded to whole 8-float half-vectors.
+# Expand weights: each module's B.T [r, d_out] is stored in strips as wide as the tiles.
+# A slot pool picks its tile width (`tile_width`): this default, or 16 where the C kernel is
+# built for AVX2 (its 16-column register tiles then read each tile as one stream).
 RANK_TILE = 64
+B_STRIP = RANK_TILE
+TILE_WIDTHS = (16, 64)
 RANK_ALIGN = 8
-# Expand weights: each module's B.T [r, d_out] is stored in strips of this many columns.
-B_STRIP = 64
 
-def b_strips(r: int, d_out: int) -> tuple[tuple[int, int, int], ...]:
+def b_strips(r: int, d_out: int, width: int = B_STRIP) -> tuple[tuple[int, int, int], ...]:
     """(first column, width, offset) of each strip of a module's B.T [r, d_out] block: strip k
     is B.T[:, c0:c0 + w] as a row-major [r, w] block at `offset` floats into the block, so the
-    kernel's 64-column register tiles each read one contiguous stream. Only the last strip
-    can be narrower than B_STRIP."""
-    return tuple((c0, min(B_STRIP, d_out - c0), c0 * r) for c0 in range(0, d_out, B_STRIP))
+    kernel's register tiles each read one contiguous stream. Only the last strip can be
+    narrower than `width`."""
+    return tuple((c0, min(width, d_out - c0), c0 * r) for c0 in range(0, d_out, width))
 
 
 # One expand part of a packed group (one module): rank rows [o0, o1) of t = x @ A.T produce
@@ -66,12 +69,12 @@ def padded_rank(r: int) -> int:
     return -(-r // RANK_ALIGN) * RANK_ALIGN
 
 
-def a_tiles(r: int, d_in: int) -> tuple[tuple[int, int, int], ...]:
+def a_tiles(r: int, d_in: int, width: int = RANK_TILE) -> tuple[tuple[int, int, int], ...]:
     """(first rank column, width, offset) of each tile of a slot's shrink weights for packed
     rank r: tile k holds A.T[:, c0:c0 + w] as a row-major [d_in, w] block at `offset` floats
     into the slot, so the kernel streams every tile contiguously."""
     rp = padded_rank(r)
-    return tuple((c0, min(RANK_TILE, rp - c0), c0 * d_in) for c0 in range(0, rp, RANK_TILE))
+    return tuple((c0, min(width, rp - c0), c0 * d_in) for c0 in range(0, rp, width))
 
 
 def group_layouts(cfg: ModelConfig) -> dict[str, GroupLayout]:

@@ -7,13 +7,14 @@
  * once per step for all of its tokens, split over OpenMP threads; prefill-length segments use
  * the same register-tiled loops, which run at 2-3x the rate of per-segment BLAS calls.
  *
- * Layout (see adapters/slot_pool.py): slot s's A.T (packed rank r, padded to 8) at
- * A + s*a_slot as [d_in, <=64] row-major tiles, tile k at + 64*k*d_in; B[s] at B + s*b_slot.
+ * Layout (see adapters/slot_pool.py), with W = `tile` (16 or 64, the pool's tile width):
+ * slot s's A.T (packed rank r, padded to 8) at A + s*a_slot as [d_in, <=W] row-major tiles,
+ * tile k at + W*k*d_in; B[s] at B + s*b_slot.
  * segs: int64[nseg][4] = (slot, start, end, rank);
  * parts: int64[npart][6] = (seg, o0, o1, c0, c1, boff): rank rows [o0,o1) of t -> output
  * columns [c0,c1) of y, through the module's block of B at B[slot] + boff: B_m.T [r, n]
- * (r = o1-o0, n = c1-c0) stored as 64-column strips, each [r, 64] row-major at + 64*k*r,
- * then the last n % 64 columns as [r, n % 64] (layout.b_strips): every strip is one stream.
+ * (r = o1-o0, n = c1-c0) stored as W-column strips, each [r, W] row-major at + W*k*r,
+ * then the last n % W columns as [r, n % W] (layout.b_strips): every strip is one stream.
  * t: scratch [T, ldt] (ldt >= every padded rank), rows of the segments' tokens are written.
  * Built with -O3 -march=native -ffp-contract=fast; GCC vector extensions give AVX-512 FMA
  * code, 6 tokens x 64 columns per register tile. Without AVX-512 the tiles are 6 tokens x 16
@@ -87,12 +88,28 @@ static inline v8 ldw8(const wt *p) { return ld8(p); }
 static inline float wf(wt w) { return w; }
 #endif
 
-#define RANK_TILE 64   /* shrink: rank columns per A tile (4 vectors) */
+/* The slot pool's tile width (`tile`, the width of A tiles and B strips, layout.py) is a
+ * runtime argument: 64 suits the AVX-512 tiles (4 zmm vectors a row). On AVX2 builds 16 is
+ * preferred (lora_preferred_tile): a 16-column register tile then reads its A tile or B strip
+ * as one sequential stream instead of every 4th line of 64-float rows, and a decode step's
+ * LoRA ops measured 0.75x the time on a Zen 3 host (benchmarks/kernel_ab.py). */
+#ifdef __AVX512F__
+#define PREFERRED_TILE 64
+#else
+#define PREFERRED_TILE 16
+#endif
+int lora_preferred_tile(void) { return PREFERRED_TILE; }
+static int tile_ok(int64_t tile) {
+#ifdef __AVX512F__
+    return tile == 64;
+#else
+    return tile == 16 || tile == 64;
+#endif
+}
 #define TOK_CHUNK 60   /* shrink work item: tokens of one segment against one A tile */
 #define COL_CHUNK 2048 /* expand work item: output columns of one part... */
 #define TOK_CHUNK_E 256 /* ...for this many tokens of its segment (long prompts: both threads) */
 #define PW 6 /* int64 fields per part */
-#define B_STRIP 64 /* columns per strip of a B block */
 #define FUSE_MAX_TOKENS 8 /* segments up to this long run shrink+expand in one work item */
 
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -268,7 +285,7 @@ expand_tile16(const float *t, int64_t ldt, const wt *b, int64_t ldp, int64_t o0,
 static inline __attribute__((always_inline)) void
 expand_tile(const float *t, int64_t ldt, const wt *b, int64_t ldp, int64_t o0, int64_t o1,
             float *y, int64_t ldy, int pf, const int NT) {
-    for (int c = 0; c < 64; c += 16) {
+    for (int c = 0; c < ldp; c += 16) { /* ldp: the strip's width, 16 or 64 */
         if (pf) expand_tile16(t, ldt, b + c, ldp, o0, o1, y + c, ldy, NT, 1);
         else expand_tile16(t, ldt, b + c, ldp, o0, o1, y + c, ldy, NT, 0);
     }
@@ -277,13 +294,13 @@ expand_tile(const float *t, int64_t ldt, const wt *b, int64_t ldp, int64_t o0, i
 
 /* y[tok, c0:c0+n) += t[tok, o0:o1] @ blk for tokens [tok0, tok1), where blk holds the
  * part's [o1-o0, n] block of B as strips (see the top of this file). */
-static void expand_rows(const float *t, int64_t ldt, const wt *blk,
+static void expand_rows(const float *t, int64_t ldt, const wt *blk, int64_t strip,
                         int64_t o0, int64_t o1, int64_t c0, int64_t n, int64_t tok0,
                         int64_t tok1, float *y, int64_t ldy) {
-    const int64_t n64 = n / B_STRIP * B_STRIP, r = o1 - o0, ldp = B_STRIP;
+    const int64_t n64 = n / strip * strip, r = o1 - o0, ldp = strip;
     for (int64_t tok = tok0; tok < tok1;) {
         const int64_t nt = tok1 - tok < 6 ? tok1 - tok : 6;
-        for (int64_t c = 0; c < n64; c += 64) {
+        for (int64_t c = 0; c < n64; c += strip) {
             const float *tt = t + tok * ldt;
             float *yt = y + tok * ldy + c0 + c;
             const int pf = tok == tok0;
@@ -309,8 +326,8 @@ static void expand_rows(const float *t, int64_t ldt, const wt *blk,
 }
 
 /* Shrink work items of one segment: its A.T tiles times its token chunks. */
-static int64_t shrink_items(const int64_t *g) {
-    return cdiv(pad8(g[3]), RANK_TILE) * cdiv(g[2] - g[1], TOK_CHUNK);
+static int64_t shrink_items(const int64_t *g, int64_t tile) {
+    return cdiv(pad8(g[3]), tile) * cdiv(g[2] - g[1], TOK_CHUNK);
 }
 
 /* Expand work items of one part: its column chunks times its segment's token chunks. */
@@ -323,16 +340,17 @@ int lora_sgmv(const float *x, int64_t ldx, float *y, int64_t ldy,
               const wt *A, int64_t a_slot, int64_t d_in,
               const wt *B, int64_t b_slot,
               const int64_t *segs, int64_t nseg, const int64_t *parts, int64_t npart,
-              float *t, int64_t ldt, int nthreads) {
+              float *t, int64_t ldt, int64_t tile, int nthreads) {
     /* Decode batches of many adapters: one work item per segment (below). Otherwise work
      * items are numbered across segments' tiles and token chunks (shrink) and parts' column
      * and token chunks (expand); each phase is one dynamic parallel loop over its items, so a few
      * adapters, or one big one, still keep every thread busy. Items write disjoint rows or
      * columns: no races. */
     int64_t nshrink = 0, nexpand = 0;
+    if (!tile_ok(tile)) return -3;
     for (int64_t s = 0; s < nseg; s++) {
         if (pad8(segs[4 * s + 3]) > ldt) return -1;
-        nshrink += shrink_items(segs + 4 * s);
+        nshrink += shrink_items(segs + 4 * s, tile);
     }
     for (int64_t p = 0; p < npart; p++) nexpand += expand_items(parts + PW * p, segs);
 
@@ -357,15 +375,15 @@ int lora_sgmv(const float *x, int64_t ldx, float *y, int64_t ldy,
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
         for (int64_t i = 0; i < nseg; i++) {
             const int64_t s = order[i], *g = segs + 4 * s, rpad = pad8(g[3]);
-            for (int64_t c0 = 0; c0 < rpad; c0 += RANK_TILE) {
-                int64_t w = rpad - c0 < RANK_TILE ? rpad - c0 : RANK_TILE;
+            for (int64_t c0 = 0; c0 < rpad; c0 += tile) {
+                int64_t w = rpad - c0 < tile ? rpad - c0 : tile;
                 shrink_tokens(x, ldx, A + g[0] * a_slot + c0 * d_in, d_in, w, g[1], g[2],
                               t + c0, ldt);
             }
             for (int64_t p = pstart[s]; p < pstart[s + 1]; p++) {
                 const int64_t *q = parts + PW * p;
-                expand_rows(t, ldt, B + g[0] * b_slot + q[5], q[1], q[2], q[3], q[4] - q[3], g[1], g[2],
-                            y, ldy);
+                expand_rows(t, ldt, B + g[0] * b_slot + q[5], tile, q[1], q[2], q[3], q[4] - q[3],
+                            g[1], g[2], y, ldy);
             }
         }
         free(order);
@@ -379,14 +397,14 @@ int lora_sgmv(const float *x, int64_t ldx, float *y, int64_t ldy,
         for (int64_t item = 0; item < nshrink; item++) {
             int64_t s = 0, base = 0, n;
             for (;; s++) { /* this item's segment, then its tile and token chunk there */
-                n = shrink_items(segs + 4 * s);
+                n = shrink_items(segs + 4 * s, tile);
                 if (base + n > item) break;
                 base += n;
             }
             const int64_t *g = segs + 4 * s;
             int64_t rpad = pad8(g[3]), nchunk = cdiv(g[2] - g[1], TOK_CHUNK);
-            int64_t tile = (item - base) / nchunk, chunk = (item - base) % nchunk;
-            int64_t c0 = tile * RANK_TILE, w = rpad - c0 < RANK_TILE ? rpad - c0 : RANK_TILE;
+            int64_t k = (item - base) / nchunk, chunk = (item - base) % nchunk;
+            int64_t c0 = k * tile, w = rpad - c0 < tile ? rpad - c0 : tile;
             int64_t tok0 = g[1] + chunk * TOK_CHUNK, tok1 = tok0 + TOK_CHUNK < g[2] ? tok0 + TOK_CHUNK : g[2];
             const wt *at = A + g[0] * a_slot + c0 * d_in; /* tile: [d_in, w] row-major */
             shrink_tokens(x, ldx, at, d_in, w, tok0, tok1, t + c0, ldt);
@@ -404,7 +422,7 @@ int lora_sgmv(const float *x, int64_t ldx, float *y, int64_t ldy,
             const int64_t tok0 = g[1] + (item - base) % ntok * TOK_CHUNK_E;
             const int64_t tok1 = tok0 + TOK_CHUNK_E < g[2] ? tok0 + TOK_CHUNK_E : g[2];
             const wt *blk = B + g[0] * b_slot + q[5] + dc * (q[2] - q[1]); /* dc: whole strips */
-            expand_rows(t, ldt, blk, q[1], q[2], c0, c1 - c0, tok0, tok1, y, ldy);
+            expand_rows(t, ldt, blk, tile, q[1], q[2], c0, c1 - c0, tok0, tok1, y, ldy);
         }
     }
     return 0;

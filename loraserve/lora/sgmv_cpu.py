@@ -18,7 +18,7 @@ from loraserve.lora.layout import padded_rank
 from loraserve.ops.cbuild import CFLAGS, load_library
 
 SOURCE = Path(__file__).with_name("sgmv_cpu.c")
-__all__ = ["CFLAGS", "SOURCE", "load", "sgmv"]
+__all__ = ["CFLAGS", "SOURCE", "accepts_tile", "load", "preferred_tile", "sgmv"]
 
 # adapter weight dtype -> extra compiler flags of its build (the kernel widens bf16 on load)
 WEIGHT_FLAGS = {torch.float32: [], torch.bfloat16: ["-DLORA_BF16"]}
@@ -40,19 +40,31 @@ def load(weight_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.lora_sgmv.restype = ctypes.c_int
         lib.lora_sgmv.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ptr, i64,
-                                  ptr, i64, ptr, i64, ptr, i64, ctypes.c_int]
+                                  ptr, i64, ptr, i64, ptr, i64, i64, ctypes.c_int]
+        lib.lora_preferred_tile.restype = ctypes.c_int
         lib.weight_dtype = weight_dtype
         _libs[weight_dtype] = lib
         return lib
 
 
+def preferred_tile(lib: ctypes.CDLL) -> int:
+    """The slot pool tile width this build runs fastest on: 16 on AVX2, 64 on AVX-512."""
+    return lib.lora_preferred_tile()
+
+
+def accepts_tile(lib: ctypes.CDLL, tile: int) -> bool:
+    """Whether this build reads pools of tile width `tile` (AVX2: 16 and 64; AVX-512: 64)."""
+    return tile in (16, 64) and (tile == 64 or preferred_tile(lib) == 16)
+
+
 def sgmv(lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor, A: torch.Tensor,
-         B: torch.Tensor, segs: torch.Tensor, parts: torch.Tensor, max_rank: int) -> None:
+         B: torch.Tensor, segs: torch.Tensor, parts: torch.Tensor, max_rank: int,
+         tile: int) -> None:
     """y += segmented LoRA delta, in place (see sgmv_cpu.c for the argument layout).
 
     x: [T, d_in], y: [T, d_out] float32 with unit column stride; A: [S, R * d_in] and
     B: [S, block floats] contiguous; segs int64 [n, 4] (slot, start, end, rank); parts int64 [m, 6]
-    (seg, o0, o1, c0, c1, boff)."""
+    (seg, o0, o1, c0, c1, boff); tile: the pool's tile width (layout.py)."""
     if x.stride(1) != 1 or y.stride(1) != 1 or not (A.is_contiguous() and B.is_contiguous()):
         raise ValueError("sgmv needs unit column strides and contiguous A/B")
     if not A.dtype == B.dtype == lib.weight_dtype or x.dtype != torch.float32:
@@ -63,8 +75,10 @@ def sgmv(lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor, A: torch.Tensor,
     rc = lib.lora_sgmv(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0),
                        A.data_ptr(), A.stride(0), x.shape[1], B.data_ptr(), B.stride(0),
                        segs.data_ptr(), segs.shape[0], parts.data_ptr(),
-                       parts.shape[0], t.data_ptr(), ldt, torch.get_num_threads())
+                       parts.shape[0], t.data_ptr(), ldt, tile, torch.get_num_threads())
     if rc == -1:
         raise ValueError("a segment's rank exceeds the scratch width")
+    if rc == -3:
+        raise ValueError(f"this build of the LoRA kernel cannot read tiles {tile} wide")
     if rc != 0:
         raise MemoryError("the LoRA kernel could not allocate its work lists")

@@ -12,11 +12,15 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
+
+from loraserve.lora import sgmv_cpu
 from loraserve.lora.backends.base import LoraBackend, LoraPlan
 from loraserve.lora.backends.cpu_kernel import CpuKernelLoraBackend, KernelUnavailable
 from loraserve.lora.backends.torch_matmul import TorchLoraBackend
 from loraserve.lora.backends.triton_backend import TritonLoraBackend, TritonUnavailable
 from loraserve.lora.batch import SlotWeights
+from loraserve.lora.layout import RANK_TILE
 
 log = logging.getLogger("loraserve.lora")
 
@@ -29,8 +33,25 @@ LORA_BACKENDS: dict[str, type[LoraBackend]] = {
 DEFAULT_BACKEND = CpuKernelLoraBackend.name
 
 
+def backend_name(name: str | None = None) -> str:
+    """The backend `create_lora_backend` will try: `name`, else $LORASERVE_LORA_BACKEND, else
+    the default."""
+    return (name or os.environ.get(BACKEND_ENV) or DEFAULT_BACKEND).lower()
+
+
+def pool_tile_width(name: str | None, dtype: torch.dtype, device: torch.device) -> int:
+    """The slot pool tile width (layout.py) the backend `name` runs fastest on: the C kernel's
+    preferred width when it is the one that will run (16 on AVX2 builds), else the default
+    every backend reads."""
+    if backend_name(name) == CpuKernelLoraBackend.name and device.type == "cpu":
+        lib = sgmv_cpu.load(dtype) if dtype in sgmv_cpu.WEIGHT_FLAGS else None
+        if lib is not None:
+            return sgmv_cpu.preferred_tile(lib)
+    return RANK_TILE
+
+
 def create_lora_backend(weights: SlotWeights, name: str | None = None) -> LoraBackend:
-    name = (name or os.environ.get(BACKEND_ENV) or DEFAULT_BACKEND).lower()
+    name = backend_name(name)
     cls = LORA_BACKENDS.get(name)
     if cls is None:
         raise ValueError(f"unknown LoRA backend {name!r} (from lora_backend or ${BACKEND_ENV});"
@@ -44,4 +65,5 @@ def create_lora_backend(weights: SlotWeights, name: str | None = None) -> LoraBa
         raise ValueError(str(e)) from e
 
 
-__all__ = ["LORA_BACKENDS", "LoraBackend", "LoraPlan", "create_lora_backend"]
+__all__ = ["LORA_BACKENDS", "LoraBackend", "LoraPlan", "backend_name", "create_lora_backend",
+           "pool_tile_width"]

@@ -27,6 +27,10 @@ class CpuKernelLoraBackend(LoraBackend):
         self.kernel = sgmv_cpu.load(weights.dtype)
         if self.kernel is None:
             raise KernelUnavailable(f"the C LoRA kernel for {weights.dtype} could not be built")
+        if not sgmv_cpu.accepts_tile(self.kernel, weights.tile_width):
+            raise ValueError(f"the C LoRA kernel built for this CPU reads slot pools of tile "
+                             f"width {sgmv_cpu.preferred_tile(self.kernel)}, not "
+                             f"{weights.tile_width}")
 
     def plan_group(self, batch: LoraBatch, group: str,
                    segments: list[tuple[int, int, int, int]]) -> KernelPlan:
@@ -39,4 +43,4 @@ class CpuKernelLoraBackend(LoraBackend):
 
     def apply_group(self, plan: KernelPlan, group_A: torch.Tensor, group_B: torch.Tensor,
                     x: torch.Tensor, y: torch.Tensor) -> None:
-        sgmv_cpu.sgmv(self.kernel, x, y, group_A, group_B, *plan)
+        sgmv_cpu.sgmv(self.kernel, x, y, group_A, group_B, *plan, self.weights.tile_width)

@@ -11,7 +11,7 @@ import torch
 
 from loraserve.lora.backends.base import LoraBackend
 from loraserve.lora.batch import LoraBatch, SlotWeights
-from loraserve.lora.layout import B_STRIP, Part, padded_rank
+from loraserve.lora.layout import Part, padded_rank
 from loraserve.ops.gemm import onednn_enabled, onednn_linear
 
 # One expand part as indices: (t_idx, y_idx, b_idx, block shape); t_idx/y_idx None = the whole
@@ -58,7 +58,8 @@ class TorchLoraBackend(LoraBackend):
                 # ys[:, c0:c1] += t[:, o0:o1] @ (the module's [o1 - o0, c1 - c0] block of B[s])
                 out = ys if y_idx is None else ys[y_idx]
                 tp = t if t_idx is None else t[t_idx]
-                _expand_strips(out, tp, group_B[b_idx].to(x.dtype), *shape)
+                _expand_strips(out, tp, group_B[b_idx].to(x.dtype), *shape,
+                               self.weights.tile_width)
 
 
 def _part_indices(slot: int, r: int, d_out: int, parts: tuple[Part, ...]) -> tuple[PartIndex, ...]:
@@ -73,13 +74,13 @@ def _part_indices(slot: int, r: int, d_out: int, parts: tuple[Part, ...]) -> tup
 
 
 def _expand_strips(out: torch.Tensor, t: torch.Tensor, block: torch.Tensor, r: int,
-                   d: int) -> None:
-    """out [n, d] += t [n, r] @ B.T, B.T stored in `block` as [r, 64] column strips and a
+                   d: int, w: int) -> None:
+    """out [n, d] += t [n, r] @ B.T, B.T stored in `block` as [r, w] column strips and a
     narrower last strip (layout.b_strips): one batched matmul over the whole strips."""
-    n, full = out.shape[0], d // B_STRIP * B_STRIP
+    n, full = out.shape[0], d // w * w
     if full:
-        strips = block[: r * full].view(full // B_STRIP, r, B_STRIP)  # [k, r, 64]
-        delta = torch.matmul(t, strips)  # [k, n, 64]
-        out[:, :full].view(n, full // B_STRIP, B_STRIP).add_(delta.transpose(0, 1))
+        strips = block[: r * full].view(full // w, r, w)  # [k, r, w]
+        delta = torch.matmul(t, strips)  # [k, n, w]
+        out[:, :full].view(n, full // w, w).add_(delta.transpose(0, 1))
     if full < d:
         out[:, full:].addmm_(t, block[r * full :].view(r, d - full))

@@ -38,6 +38,9 @@ class TritonLoraBackend(LoraBackend):
         except ImportError as e:
             raise TritonUnavailable(f"the triton LoRA backend needs triton: {e}") from e
         self.kernels = triton_sgmv
+        if weights.tile_width != triton_sgmv.TILE:
+            raise ValueError(f"the triton LoRA kernels read slot pools of tile width "
+                             f"{triton_sgmv.TILE}, not {weights.tile_width}")
 
     def plan_group(self, batch: LoraBatch, group: str,
                    segments: list[tuple[int, int, int, int]]) -> TritonPlan:
