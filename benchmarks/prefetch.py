@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -93,8 +94,9 @@ def main() -> None:
             "p99_ttft_vs_first": r["ttft_ms"]["p99"] / first["ttft_ms"]["p99"] - 1,
             "throughput_vs_first": r["output_throughput"] / first["output_throughput"] - 1,
         } for c, r in runs.items()}
+        bench_tag = os.environ.get("LORASERVE_BENCH_TAG")  # as write_result names the json
         plot_cdfs({k: v for k, v in results.items() if k.endswith("/" + traffic)},
-                  RESULTS / f"{tag}-{traffic}.png")
+                  RESULTS / f"{tag}-{traffic}{'-' + bench_tag if bench_tag else ''}.png")
     print(json.dumps(table, indent=2))
     print("wrote", write_result(tag, {"args": vars(args), "table": table}))
 
