@@ -92,7 +92,7 @@ static inline float wf(wt w) { return w; }
  * runtime argument: 64 suits the AVX-512 tiles (4 zmm vectors a row). On AVX2 builds 16 is
  * preferred (lora_preferred_tile): a 16-column register tile then reads its A tile or B strip
  * as one sequential stream instead of every 4th line of 64-float rows, and a decode step's
- * LoRA ops measured 0.75x the time on a Zen 3 host (benchmarks/kernel_ab.py). */
+ * LoRA ops measured 0.72x the time on a Zen 3 host (benchmarks/kernel_ab.py). */
 #ifdef __AVX512F__
 #define PREFERRED_TILE 64
 #else
