@@ -99,7 +99,7 @@ static inline float wf(wt w) { return w; }
 #define PREFERRED_TILE 16
 #endif
 int lora_preferred_tile(void) { return PREFERRED_TILE; }
-static int tile_ok(int64_t tile) {
+int lora_accepts_tile(int64_t tile) {
 #ifdef __AVX512F__
     return tile == 64;
 #else
@@ -347,7 +347,7 @@ int lora_sgmv(const float *x, int64_t ldx, float *y, int64_t ldy,
      * adapters, or one big one, still keep every thread busy. Items write disjoint rows or
      * columns: no races. */
     int64_t nshrink = 0, nexpand = 0;
-    if (!tile_ok(tile)) return -3;
+    if (!lora_accepts_tile(tile)) return -3;
     for (int64_t s = 0; s < nseg; s++) {
         if (pad8(segs[4 * s + 3]) > ldt) return -1;
         nshrink += shrink_items(segs + 4 * s, tile);

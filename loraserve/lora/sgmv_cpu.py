@@ -41,7 +41,8 @@ def load(weight_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
         lib.lora_sgmv.restype = ctypes.c_int
         lib.lora_sgmv.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ptr, i64,
                                   ptr, i64, ptr, i64, ptr, i64, i64, ctypes.c_int]
-        lib.lora_preferred_tile.restype = ctypes.c_int
+        lib.lora_preferred_tile.restype = lib.lora_accepts_tile.restype = ctypes.c_int
+        lib.lora_accepts_tile.argtypes = [i64]
         lib.weight_dtype = weight_dtype
         _libs[weight_dtype] = lib
         return lib
@@ -54,7 +55,7 @@ def preferred_tile(lib: ctypes.CDLL) -> int:
 
 def accepts_tile(lib: ctypes.CDLL, tile: int) -> bool:
     """Whether this build reads pools of tile width `tile` (AVX2: 16 and 64; AVX-512: 64)."""
-    return tile in (16, 64) and (tile == 64 or preferred_tile(lib) == 16)
+    return bool(lib.lora_accepts_tile(tile))
 
 
 def sgmv(lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor, A: torch.Tensor,

@@ -21,6 +21,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from loraserve.paths import cache_root
@@ -63,6 +65,23 @@ def compile_once(cc: str, source: Path, flags: list[str]) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+_once_lock = threading.Lock()
+_once: dict[tuple[Path, tuple[str, ...]], ctypes.CDLL | None] = {}
+
+
+def load_library_once(source: Path, flags: list[str], what: str,
+                      configure: Callable[[ctypes.CDLL], ctypes.CDLL | None]
+                      ) -> ctypes.CDLL | None:
+    """`load_library` once per process and (source, flags): the first call builds, loads and
+    `configure`s it (sets argtypes; may return None to refuse it), later ones get that result."""
+    key = (source, tuple(flags))
+    with _once_lock:
+        if key not in _once:
+            lib = load_library(source, flags, what)
+            _once[key] = None if lib is None else configure(lib)
+        return _once[key]
 
 
 def load_library(source: Path, flags: list[str], what: str) -> ctypes.CDLL | None:

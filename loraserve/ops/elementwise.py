@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import os
-import threading
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from loraserve.ops.cbuild import load_library
+from loraserve.ops.cbuild import load_library_once
 
 SOURCE = Path(__file__).with_name("fused_cpu.c")
-_lock = threading.Lock()
-_lib: list[ctypes.CDLL | None] = []
 _enabled = [os.environ.get("LORASERVE_FUSED_CPU", "1") != "0"]
 
 
@@ -32,21 +29,20 @@ def fused_enabled() -> bool:
     return _enabled[0]
 
 
+def _configure(lib: ctypes.CDLL) -> ctypes.CDLL:
+    i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, f32, i32]
+    lib.add_rms_norm.argtypes = [ptr, i64, ptr, i64, f32, ptr, ptr, i64, i64, i64, f32, i32]
+    lib.silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
+    lib.rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, i32]
+    for fn in (lib.rms_norm, lib.add_rms_norm, lib.silu_mul, lib.rope):
+        fn.restype = None
+    return lib
+
+
 def _load() -> ctypes.CDLL | None:
-    with _lock:
-        if not _lib:
-            lib = load_library(SOURCE, ["-ffp-contract=off"], "fused CPU element-wise ops")
-            if lib is not None:
-                i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-                lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, f32, i32]
-                lib.add_rms_norm.argtypes = [ptr, i64, ptr, i64, f32, ptr, ptr, i64, i64, i64,
-                                             f32, i32]
-                lib.silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
-                lib.rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, i32]
-                for fn in (lib.rms_norm, lib.add_rms_norm, lib.silu_mul, lib.rope):
-                    fn.restype = None
-            _lib.append(lib)
-        return _lib[0]
+    return load_library_once(SOURCE, ["-ffp-contract=off"], "fused CPU element-wise ops",
+                             _configure)
 
 
 def _kernel(*tensors: torch.Tensor) -> ctypes.CDLL | None:

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import ctypes
 import os
-import threading
 from pathlib import Path
 
 import torch
 
-from loraserve.ops.cbuild import load_library
+from loraserve.ops.cbuild import load_library_once
 
 # oneDNN packs for a batch-size hint; 64 measured as fast as 2048 from 7 rows up, and as fast
 # as 1 at batch 1.
@@ -31,24 +30,19 @@ PACK_BATCH_HINT = 64
 PANEL = 16  # columns per panel of the avx2 kernel's packed weight
 _BACKENDS = ("auto", "avx2", "onednn", "mkl")
 _SOURCE = Path(__file__).with_name("gemm_cpu.c")
-_lock = threading.Lock()
-_lib: list[ctypes.CDLL | None] = []
+
+
+def _configure(lib: ctypes.CDLL) -> ctypes.CDLL | None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.gemm_pack.argtypes = [ptr, i64, i64, i64, ptr]
+    lib.gemm_packed.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, i64, ctypes.c_int]
+    lib.gemm_pack.restype = lib.gemm_packed.restype = None
+    return lib if lib.gemm_available() else None  # built without AVX2 + FMA: the stubs
 
 
 def _kernel() -> ctypes.CDLL | None:
     """The avx2 GEMM library, or None where it cannot be built or the CPU lacks AVX2 + FMA."""
-    with _lock:
-        if not _lib:
-            lib = load_library(_SOURCE, [], "the AVX2 GEMM kernel")
-            if lib is not None:
-                i64, ptr = ctypes.c_int64, ctypes.c_void_p
-                lib.gemm_pack.argtypes = [ptr, i64, i64, i64, ptr]
-                lib.gemm_packed.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, i64, ctypes.c_int]
-                lib.gemm_pack.restype = lib.gemm_packed.restype = None
-                if not lib.gemm_available():  # built without AVX2 + FMA: the stubs
-                    lib = None
-            _lib.append(lib)
-        return _lib[0]
+    return load_library_once(_SOURCE, [], "the AVX2 GEMM kernel", _configure)
 
 
 def gemm_backend() -> str:

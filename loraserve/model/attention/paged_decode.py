@@ -7,31 +7,26 @@ and the CPU backend then gathers the context for torch's SDPA instead.
 from __future__ import annotations
 
 import ctypes
-import threading
 from pathlib import Path
 
 import torch
 
-from loraserve.ops.cbuild import load_library
+from loraserve.ops.cbuild import load_library_once
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
-_lock = threading.Lock()
-_lib: list[ctypes.CDLL | None] = []  # [] until the first load() decides
+
+
+def _configure(lib: ctypes.CDLL) -> ctypes.CDLL:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.paged_decode_attention.restype = ctypes.c_int
+    lib.paged_decode_attention.argtypes = [
+        ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr,
+        i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float, ctypes.c_int]
+    return lib
 
 
 def load() -> ctypes.CDLL | None:
-    with _lock:
-        if not _lib:
-            lib = load_library(SOURCE, [], "C paged decode attention")
-            if lib is not None:
-                i64, ptr = ctypes.c_int64, ctypes.c_void_p
-                lib.paged_decode_attention.restype = ctypes.c_int
-                lib.paged_decode_attention.argtypes = [
-                    ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr,
-                    i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float,
-                    ctypes.c_int]
-            _lib.append(lib)
-        return _lib[0]
+    return load_library_once(SOURCE, [], "C paged decode attention", _configure)
 
 
 def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,
