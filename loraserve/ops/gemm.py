@@ -1,13 +1,15 @@
 """The fastest float32 GEMM this CPU has, shared by the model's projections and the LoRA op.
 
-Three backends, chosen per ISA from measurements (docs/benchmarks.md, benchmarks/gemm_shapes.py):
-- "avx2": our kernel (ops/gemm_cpu.c) on a weight packed into 16-column panels. On AVX2-only
-  hosts (AMD Zen 3 here) it runs a decode step's 64-row projections at 0.77-0.83 of oneDNN's
-  time, batch 1 at 0.70 and 2048-row prefills at 0.93-0.96: the default where torch's CPU
-  capability is AVX2 (a real AVX2 host, or an AVX-512 one imitating it).
-- "onednn": oneDNN's linear on a weight prepacked into its blocked layout. Where AVX-512 is
-  used it reached 400-480 GFLOP/s against MKL's 160-210, and our AVX2 tiles cannot use the
-  wider registers: the default there.
+Three backends, chosen from measurements (docs/benchmarks.md, benchmarks/gemm_shapes.py):
+- "avx2": our kernel (ops/gemm_cpu.c) on a weight packed into 16-column panels, with 6 x 16
+  AVX2 register tiles, or 8 x 32 AVX-512 ones where the build has AVX-512 (the name is older
+  than those). On a Zen 3 AVX2 host it ran SmolLM2's projections at 0.63-0.73 of oneDNN's time
+  from 1 to 64 rows and 0.94 at 2048; on a Zen 5 AVX-512 host at 0.75-0.91 from 1 to 64 rows
+  and 1.03-1.09 at 2048 (oneDNN at 494 GFLOP/s there). The default wherever it builds (AVX2 +
+  FMA): decode steps gain more than long prefills lose, and the weights are packed once, in
+  one layout.
+- "onednn": oneDNN's linear on a weight prepacked into its blocked layout: where our kernel
+  cannot be built (no C compiler, no AVX2 + FMA).
 - "mkl": plain `torch.mm` (what transformers runs): where neither of the others is built.
 
 `LORASERVE_GEMM=avx2|onednn|mkl` forces one (comparisons, tests); `auto` (the default) picks
@@ -41,8 +43,8 @@ def _configure(lib: ctypes.CDLL) -> ctypes.CDLL | None:
 
 
 def _kernel() -> ctypes.CDLL | None:
-    """The avx2 GEMM library, or None where it cannot be built or the CPU lacks AVX2 + FMA."""
-    return load_library_once(_SOURCE, [], "the AVX2 GEMM kernel", _configure)
+    """Our GEMM library, or None where it cannot be built or the CPU lacks AVX2 + FMA."""
+    return load_library_once(_SOURCE, [], "the GEMM kernel", _configure)
 
 
 def gemm_backend() -> str:
@@ -51,7 +53,7 @@ def gemm_backend() -> str:
     if want not in _BACKENDS:
         raise ValueError(f"LORASERVE_GEMM must be one of {', '.join(_BACKENDS)}, not {want!r}")
     if want == "auto":
-        want = "avx2" if torch.backends.cpu.get_cpu_capability() == "AVX2" else "onednn"
+        want = "avx2"
     if want == "avx2" and _kernel() is None:
         want = "onednn"
     if want == "onednn" and not torch.backends.mkldnn.is_available():

@@ -1,10 +1,14 @@
-/* Float32 GEMM y[M, N] = x[M, K] @ W[N, K]^T on a weight packed once at load (AVX2 + FMA).
+/* Float32 GEMM y[M, N] = x[M, K] @ W[N, K]^T on a weight packed once at load (AVX2 + FMA,
+ * and AVX-512 tiles where the build has it).
  *
  * Why our own: on AVX2-only hosts (AMD Zen 3 here) oneDNN's and MKL's sgemm reach 95-125
  * GFLOP/s on a decode step's 64-row projections, about half the 2-core FMA peak (~200). A
  * 6 x 16 register tile (12 accumulators, 2 B loads and 6 broadcasts per 12 FMAs) on a weight
- * laid out as 16-column panels keeps the FMA ports busy. ops/gemm.py measures it against
- * oneDNN on the model's own shapes at start-up and uses it only where it is faster.
+ * laid out as 16-column panels keeps the FMA ports busy. With AVX-512 (Zen 5 here, where
+ * oneDNN's own tiles reach 494 GFLOP/s at 2048 rows but 336 at 64), 8 x 32 tiles over two
+ * neighbouring panels (16 zmm accumulators, 2 B loads and 8 broadcasts per 16 FMAs) ran the
+ * 64-row projections at 0.81 of oneDNN's time (benchmarks/gemm_shapes.py); ops/gemm.py picks
+ * this kernel wherever it builds.
  *
  * Packed layout: panel p holds columns 16p .. 16p+15 as [K][16] floats, one 64-byte line per
  * k (zeros past N). Panels follow each other, so a thread's range of panels is one
@@ -22,6 +26,20 @@
 #include <immintrin.h>
 
 #define NR 16
+/* KB of x rows per block: they stay in L2 while the panels pass (Zen 3: 512 KB of L2; AVX-512
+ * hosts have 1-2 MB, where 768 measured 4% faster than 192 at 2048 rows) */
+#ifdef __AVX512F__
+#define TILE_ROWS 8
+#else
+#define TILE_ROWS 6
+#endif
+#ifndef GEMM_XBLOCK
+#ifdef __AVX512F__
+#define GEMM_XBLOCK 768
+#else
+#define GEMM_XBLOCK 192
+#endif
+#endif
 
 /* Pack W [N, K] (row stride ldw) into panels: out has ceil(N/16) * K * 16 floats. */
 void gemm_pack(const float *w, int64_t ldw, int64_t N, int64_t K, float *out) {
@@ -69,7 +87,7 @@ static inline __attribute__((always_inline)) void tile(
 }
 #undef ROW
 
-static void rows_of_panel(const float *a, int64_t lda, int64_t m, const float *b, int64_t K,
+static __attribute__((unused)) void rows_of_panel(const float *a, int64_t lda, int64_t m, const float *b, int64_t K,
                           float *c, int64_t ldc, int64_t cols, int next_panel) {
     int64_t r = 0;
     /* With more than one tile of rows, the first fetches the next panel (a line per k) while
@@ -86,26 +104,103 @@ static void rows_of_panel(const float *a, int64_t lda, int64_t m, const float *b
     }
 }
 
+#ifdef __AVX512F__
+/* AVX-512: MR rows (1..8) x 32 columns, from two neighbouring panels (b, b + K * 16): 16 zmm
+ * accumulators, 2 loads of B and 8 broadcasts per 16 FMAs. nb: panels present (1 or 2);
+ * cols: columns of the last one to store (16 but on a partial last panel). */
+#define ROWZ(r, c0, c1)                                                                    \
+    if (MR > r) {                                                                          \
+        const __m512 xr = _mm512_set1_ps(a[r * lda + k]);                                  \
+        c0 = _mm512_fmadd_ps(xr, b0, c0);                                                  \
+        if (NB > 1) c1 = _mm512_fmadd_ps(xr, b1, c1);                                      \
+    }
+static inline __attribute__((always_inline)) void tile512(
+        const int MR, const int NB, const float *a, int64_t lda, const float *b, int64_t K,
+        float *c, int64_t ldc, int64_t cols, const float *pf) {
+    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m512 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    __m512 c60 = c00, c61 = c00, c70 = c00, c71 = c00;
+    const float *b1p = b + K * NR;
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < K; k++) {
+        if (pf) {
+            _mm_prefetch((const char *)(pf + k * NR), _MM_HINT_T0);
+            _mm_prefetch((const char *)(pf + K * NR + k * NR), _MM_HINT_T0);
+        }
+        const __m512 b0 = _mm512_loadu_ps(b + k * NR);
+        const __m512 b1 = NB > 1 ? _mm512_loadu_ps(b1p + k * NR) : b0;
+        ROWZ(0, c00, c01) ROWZ(1, c10, c11) ROWZ(2, c20, c21) ROWZ(3, c30, c31)
+        ROWZ(4, c40, c41) ROWZ(5, c50, c51) ROWZ(6, c60, c61) ROWZ(7, c70, c71)
+    }
+    const __m512 acc[8][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31},
+                              {c40, c41}, {c50, c51}, {c60, c61}, {c70, c71}};
+    const __mmask16 last = cols >= NR ? 0xffff : (__mmask16)((1u << cols) - 1);
+    for (int r = 0; r < MR; r++) {
+        if (NB > 1) {
+            _mm512_storeu_ps(c + r * ldc, acc[r][0]);
+            _mm512_mask_storeu_ps(c + r * ldc + NR, last, acc[r][1]);
+        } else {
+            _mm512_mask_storeu_ps(c + r * ldc, last, acc[r][0]);
+        }
+    }
+}
+#undef ROWZ
+
+#define TILES512(NB)                                                                       \
+    for (; r + 8 <= m; r += 8, pf = 0) tile512(8, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf); \
+    switch (m - r) {                                                                       \
+    case 7: tile512(7, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf); break;     \
+    case 6: tile512(6, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf); break;     \
+    case 5: tile512(5, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf); break;     \
+    case 4: tile512(4, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf); break;     \
+    case 3: tile512(3, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf); break;     \
+    case 2: tile512(2, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf); break;     \
+    case 1: tile512(1, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf); break;     \
+    default: break;                                                                        \
+    }
+
+/* rows of a pair of panels (nb = 1: the last, odd one); pf: the next pair, fetched by the
+ * first tile when there is more than one */
+static void rows_of_pair(const float *a, int64_t lda, int64_t m, const float *b, int64_t K,
+                         float *c, int64_t ldc, int64_t cols, int nb, int next) {
+    int64_t r = 0;
+    const float *pf = m > 8 && next ? b + 2 * K * NR : 0;
+    if (nb > 1) { TILES512(2) } else { TILES512(1) }
+}
+#undef TILES512
+#endif
+
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T, W packed by gemm_pack. */
 void gemm_packed(const float *x, int64_t ldx, const float *packed, int64_t M, int64_t N,
                  int64_t K, float *y, int64_t ldy, int nthreads) {
     const int64_t panels = (N + NR - 1) / NR;
-    /* x rows per block: at most ~192 KB of x (it stays in L2 while the panels pass), blocks
-     * of equal size in whole 6-row tiles (64 rows of K = 1536 go as 3 x 24, not 30 + 30 + 4) */
-    int64_t mc = (192 * 1024 / 4) / K;
+    /* x rows per block: at most GEMM_XBLOCK KB of x (it stays in L2 while the panels pass),
+     * blocks of equal size in whole tiles (64 rows of K = 1536 go as 3 x 24, not 30 + 30 + 4) */
+    int64_t mc = (GEMM_XBLOCK * 1024 / 4) / K;
     if (mc < 6) mc = 6;
     const int64_t blocks = (M + mc - 1) / mc;
-    mc = ((M + blocks - 1) / blocks + 5) / 6 * 6;
+    mc = ((M + blocks - 1) / blocks + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
     /* a team costs a few microseconds to wake: not for a tiny model's products */
     const int parallel = M * N * K >= (1 << 18);
     for (int64_t m0 = 0; m0 < M; m0 += mc) {
         const int64_t m = M - m0 < mc ? M - m0 : mc;
+#ifdef __AVX512F__
+        const int64_t pairs = (panels + 1) / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (parallel)
+        for (int64_t q = 0; q < pairs; q++) {
+            const int64_t p = 2 * q, nb = p + 1 < panels ? 2 : 1, last = p + nb - 1;
+            const int64_t cols = N - last * NR < NR ? N - last * NR : NR;
+            rows_of_pair(x + m0 * ldx, ldx, m, packed + p * K * NR, K, y + m0 * ldy + p * NR,
+                         ldy, cols, (int)nb, q + 1 < pairs);
+        }
+#else
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (parallel)
         for (int64_t p = 0; p < panels; p++) {
             const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
             rows_of_panel(x + m0 * ldx, ldx, m, packed + p * K * NR, K, y + m0 * ldy + p * NR,
                           ldy, cols, p + 1 < panels);
         }
+#endif
     }
 }
 
