@@ -25,6 +25,7 @@ class LoadResult(NamedTuple):
 class DiskLoader:
     def __init__(self, read: Callable[[str], LoraAdapterWeights], workers: int = 2):
         self._read = read
+        self.workers = workers
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lora-load")
         self._pending: dict[int, Future] = {}  # uid -> future of (weights, seconds)
         self.delay_s = 0.0  # injected latency, for tests and benchmarks of slow storage
