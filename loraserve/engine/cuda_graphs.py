@@ -60,16 +60,21 @@ class Graph(Protocol):
 
 class CudaGraph:
     """torch.cuda.CUDAGraph: warm-up runs on a side stream (Triton compiles, the allocator
-    settles), then capture; every graph of an engine shares one memory pool."""
+    settles), then capture into `pool`, the memory pool every graph of one engine shares."""
 
-    pool = None
-
-    def __init__(self) -> None:
+    def __init__(self, pool) -> None:
         self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+
+    @staticmethod
+    def maker() -> Callable[[], CudaGraph]:
+        """Makes the graphs of one engine, on a memory pool of their own. (One pool for the
+        whole process, as before, broke the caching allocator's count of a pool's users on an
+        H200 when a second engine captured.)"""
+        pool = torch.cuda.graph_pool_handle()
+        return lambda: CudaGraph(pool)
 
     def capture(self, step: Callable[[], None]) -> None:
-        if CudaGraph.pool is None:
-            CudaGraph.pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -79,7 +84,7 @@ class CudaGraph:
         # thread_local: disk-load workers may pin host memory while a graph is recorded (a
         # moved slot pool is recorded again mid-serving); only this thread's calls must not
         # break the capture
-        with torch.cuda.graph(self.graph, pool=CudaGraph.pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local"):
             step()
 
     def replay(self) -> None:
@@ -137,7 +142,7 @@ class DecodeGraphs:
     """Records and replays decode steps; `runner.execute` asks `fits` and then `run`."""
 
     def __init__(self, model, kv_caches, attention, lora, max_bs: int, max_blocks: int,
-                 scratch_slot: int, new_graph: Callable[[], Graph] = CudaGraph) -> None:
+                 scratch_slot: int, new_graph: Callable[[], Graph] | None = None) -> None:
         for what, obj, needs in (("attention", attention, "graph_metadata"),
                                  ("LoRA", lora, "graph_plan")):
             if not hasattr(obj, needs):
@@ -145,7 +150,8 @@ class DecodeGraphs:
                                  f"{getattr(obj, 'name', type(obj).__name__)}")
         self.model, self.kv_caches, self.attention, self.lora = model, kv_caches, attention, lora
         self.sizes = buckets(max_bs)
-        self.max_bs, self.scratch_slot, self.new_graph = max_bs, scratch_slot, new_graph
+        self.max_bs, self.scratch_slot = max_bs, scratch_slot
+        self.new_graph = new_graph if new_graph is not None else CudaGraph.maker()
         dev = kv_caches[0][0].device
         self.rows = torch.arange(max_bs, device=dev)
         # Every graph input is carved out of one device buffer (the block tables, wide and

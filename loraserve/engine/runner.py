@@ -13,7 +13,7 @@ from functools import partial
 import torch
 
 from loraserve.config import EngineConfig
-from loraserve.engine.cuda_graphs import CudaGraph, DecodeGraphs
+from loraserve.engine.cuda_graphs import DecodeGraphs
 from loraserve.lora.backends import LoraBackend
 from loraserve.model.attention import AttentionBackend, AttentionSeq
 from loraserve.model.llama import LlamaModel
@@ -46,10 +46,11 @@ class ModelRunner:
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         self.graphs: DecodeGraphs | None = None
 
-    def enable_decode_graphs(self, max_bs: int, max_model_len: int, new_graph=CudaGraph,
+    def enable_decode_graphs(self, max_bs: int, max_model_len: int, new_graph=None,
                              capture_now: bool = True) -> None:
         """Replay decode steps of up to max_bs sequences from recorded graphs (cuda_graphs.py);
-        new_graph: CudaGraph on a GPU, ReplayEmulator to check the same on a CPU."""
+        new_graph: None for CUDA graphs (one memory pool per engine), or ReplayEmulator to check
+        the same on a CPU."""
         max_blocks = -(-max_model_len // self.block_size)
         if self.scratch_slot is None:  # made without one (tests): add it, before any step
             self.scratch_slot = self.kv_caches[0][0].shape[0]

@@ -19,6 +19,7 @@ costs its own packed rank, never max_lora_rank.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -29,7 +30,8 @@ TILE = 64  # layout.RANK_TILE and layout.B_STRIP: the packed layout's tile width
 @triton.jit
 def sgmv_shrink_kernel(x_ptr, x_stride, t_ptr, t_stride, a_ptr, a_slot_stride, d_in,
                        blocks_ptr,  # int64 [n, 4]: slot, row0, row1, padded rank
-                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr,
+                       PRECISION: tl.constexpr):
     i = tl.program_id(0)
     j = tl.program_id(1)
     slot = tl.load(blocks_ptr + i * 4)
@@ -52,7 +54,7 @@ def sgmv_shrink_kernel(x_ptr, x_stride, t_ptr, t_stride, a_ptr, a_slot_stride, d
                          mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             ab = tl.load(tile + ks[:, None] * w + cols[None, :],
                          mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc += tl.dot(xb.to(tl.float32), ab.to(tl.float32))
+            acc += tl.dot(xb.to(tl.float32), ab.to(tl.float32), input_precision=PRECISION)
         tl.store(t_ptr + rows[:, None] * t_stride + (c0 + cols)[None, :], acc,
                  mask=row_ok[:, None] & col_ok[None, :])
 
@@ -60,7 +62,8 @@ def sgmv_shrink_kernel(x_ptr, x_stride, t_ptr, t_stride, a_ptr, a_slot_stride, d
 @triton.jit
 def sgmv_expand_kernel(t_ptr, t_stride, y_ptr, y_stride, b_ptr, b_slot_stride,
                        parts_ptr,  # int64 [n, 8]: slot, row0, row1, o0, r, c0, n_cols, boff
-                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, TILE: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, TILE: tl.constexpr,
+                       PRECISION: tl.constexpr):
     i = tl.program_id(0)
     j = tl.program_id(1)
     slot = tl.load(parts_ptr + i * 8)
@@ -87,20 +90,30 @@ def sgmv_expand_kernel(t_ptr, t_stride, y_ptr, y_stride, b_ptr, b_slot_stride,
                          mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             bb = tl.load(strip + ks[:, None] * w + cols[None, :],
                          mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc += tl.dot(tb, bb.to(tl.float32))
+            acc += tl.dot(tb, bb.to(tl.float32), input_precision=PRECISION)
         out = y_ptr + rows[:, None] * y_stride + (c0 + s0 + cols)[None, :]
         mask = row_ok[:, None] & col_ok[None, :]
         y = tl.load(out, mask=mask, other=0.0)
         tl.store(out, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
 
 
+def precision(dtype: torch.dtype) -> str:
+    """tl.dot's precision for activations of `dtype`. float32: "ieee", since TF32 (Triton's
+    default for float32) rounds to 10 mantissa bits: 8e-3 relative error on an H200, where
+    the CPU backends are exact. bf16 and fp16 fit TF32 exactly, and their outputs round far
+    coarser than TF32 rounds t, so their tensor-core TF32 stays."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def launch_shrink(x, t, group_A, blocks, num_blocks: int, max_rp: int, d_in: int) -> None:
     grid = (num_blocks, triton.cdiv(max_rp, TILE))
     sgmv_shrink_kernel[grid](x, x.stride(0), t, t.stride(0), group_A, group_A.stride(0), d_in,
-                             blocks, BLOCK_M=BLOCK_M, BLOCK_K=32, TILE=TILE)
+                             blocks, BLOCK_M=BLOCK_M, BLOCK_K=32, TILE=TILE,
+                             PRECISION=precision(x.dtype))
 
 
 def launch_expand(t, y, group_B, parts, num_parts: int, max_cols: int) -> None:
     grid = (num_parts, triton.cdiv(max_cols, TILE))
     sgmv_expand_kernel[grid](t, t.stride(0), y, y.stride(0), group_B, group_B.stride(0),
-                             parts, BLOCK_M=BLOCK_M, BLOCK_R=16, TILE=TILE)
+                             parts, BLOCK_M=BLOCK_M, BLOCK_R=16, TILE=TILE,
+                             PRECISION=precision(y.dtype))

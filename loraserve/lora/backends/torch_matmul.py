@@ -30,7 +30,7 @@ class TorchLoraBackend(LoraBackend):
     def __init__(self, weights: SlotWeights) -> None:
         super().__init__(weights)
         # oneDNN's GEMM is 1.3-2x MKL's sgemm on long segments here (ops/gemm.py)
-        self.onednn = onednn_enabled()
+        self.onednn = onednn_enabled() and weights.device.type == "cpu"  # oneDNN: CPU only
 
     def plan_group(self, batch: LoraBatch, group: str,
                    segments: list[tuple[int, int, int, int]]) -> tuple[SegmentPlan, ...]:

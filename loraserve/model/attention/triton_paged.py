@@ -51,7 +51,7 @@ def _kernels():
         total = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, HD), dtype=tl.float32)
         end = pos0 + nrows  # context tokens any row of this tile can see
-        start = 0
+        start = pos0 * 0  # int64 as pos0: compiled Triton refuses a type change in the branch
         if window > 0:  # nothing before the first row's window is seen by any row
             start = tl.maximum(pos0 - window + 1, 0) // BLOCK_N * BLOCK_N
         for n0 in range(start, end, BLOCK_N):
