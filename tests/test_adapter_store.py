@@ -45,6 +45,8 @@ class FakeLoader:
     as pending until collected. Paths map to fingerprints: '/p/x' reads weights 'x'; paths
     in `broken` fail."""
 
+    workers = 2  # as DiskLoader's default: the unified store keeps no more reads in flight
+
     def __init__(self):
         self.pending: dict[int, str] = {}
         self.ready: dict[int, LoadResult] = {}

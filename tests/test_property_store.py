@@ -30,6 +30,24 @@ class GrowingSlots(FakeSlots):
         pass
 
 
+def test_unified_queue_reads_stay_within_the_loader_workers():
+    # A read queued behind busy workers would evict a resident adapter long before its own
+    # weights land: the queue's prefetch starts at most `workers` reads at a time.
+    loader = FakeLoader()
+    store = AdapterStore(GrowingSlots(1), loader, max_loras_per_batch=1, max_loaded_loras=2,
+                         unified=True)
+    uids = [store.register(n, f"/p/{n}", weights(n)).uid for n in "abcde"]  # d, e resident
+    store.max_loaded = store.lookahead = 8  # room and lookahead for all: workers limit reads
+    store.prepare(in_use=set(), upcoming=uids[:3])
+    assert loader.started == uids[:2]
+    loader.finish()
+    store.prepare(in_use=set(), upcoming=uids[:3])  # a, b land; c's read starts
+    assert loader.started == uids[:3] and all(store.is_ready(u) for u in uids[:2])
+    loader.finish()
+    store.prepare(in_use=set(), upcoming=uids[:3])
+    assert all(store.is_ready(u) for u in uids)
+
+
 class CheckedLoader(FakeLoader):
     def check(self, uids):
         return [f"orphan load {u}" for u in self.pending if u not in uids]
@@ -127,6 +145,8 @@ class StoreMachine(RuleBasedStateMachine):
                 assert e.weights is not None, "a pinned adapter was evicted"
             if uid in self.running:
                 assert e.weights is not None, "a running adapter lost its weights"
+        if s.unified:  # a queued read would evict a resident adapter long before it lands
+            assert self.loader.num_pending <= self.loader.workers, "reads beyond the workers"
 
 
 class UnifiedStoreMachine(StoreMachine):
