@@ -99,11 +99,12 @@ class ServerProcess:
                 raise AssertionError(f"server not idle after {timeout}s: {s}")
             time.sleep(0.05)
 
-    def wait_busy(self, timeout: float = 10.0) -> dict:
+    def wait_busy(self, timeout: float = 10.0, running: int = 1) -> dict:
+        """Poll /debug/state until at least `running` requests run."""
         deadline = time.monotonic() + timeout
         while True:
             s = self.state()
-            if s["running"] and s["kv_blocks_used"]:
+            if s["running"] >= running and s["kv_blocks_used"]:
                 return s
             if time.monotonic() > deadline:
                 raise AssertionError(f"no request running after {timeout}s: {s}")

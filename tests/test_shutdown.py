@@ -41,9 +41,10 @@ def test_requests_that_outlive_the_drain_end_well_formed(tiny_model_dir, tmp_pat
         threading.Thread(target=lambda: got.update(
             plain=server.post("/v1/completions", {**long, "n": 8}))),
     ]
-    for t in threads:
-        t.start()
-    server.wait_busy()
+    threads[0].start()
+    server.wait_busy()  # the stream runs; then the plain request joins it
+    threads[1].start()
+    server.wait_busy(running=2)
     server.proc.send_signal(sig)
     for t in threads:
         t.join(60)
