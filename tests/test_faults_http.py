@@ -142,7 +142,7 @@ def test_unload_during_heavy_traffic_to_that_adapter(server, files, offline):
                        {"lora_name": "hot", "lora_path": str(files["b"])}).status_code == 200
     with cf.ThreadPoolExecutor(16) as pool:
         first = [pool.submit(complete, server, "hot", i % 8) for i in range(12)]
-        server.wait_busy()
+        server.wait_busy(unless=lambda: all(f.done() for f in first))
         assert server.post("/v1/unload_lora_adapter", {"lora_name": "hot"}).status_code == 200
         late = [pool.submit(complete, server, "hot", i) for i in range(4)]
         done = [f.result() for f in first]
@@ -166,7 +166,7 @@ def test_reload_with_new_weights_while_old_version_requests_run(server, files, o
     load(files["a"])
     with cf.ThreadPoolExecutor(12) as pool:
         old = [pool.submit(complete, server, "ver", i) for i in range(6)]
-        server.wait_busy()
+        server.wait_busy(unless=lambda: all(f.done() for f in old))
         assert server.post("/v1/unload_lora_adapter", {"lora_name": "ver"}).status_code == 200
         load(files["a2"])
         new = [pool.submit(complete, server, "ver", i) for i in range(6)]
