@@ -26,13 +26,13 @@
 #include <immintrin.h>
 
 #define NR 16
-/* KB of x rows per block: they stay in L2 while the panels pass (Zen 3: 512 KB of L2; AVX-512
- * hosts have 1-2 MB, where 768 measured 4% faster than 192 at 2048 rows) */
 #ifdef __AVX512F__
-#define TILE_ROWS 8
+#define TILE_ROWS 8 /* rows of a register tile */
 #else
 #define TILE_ROWS 6
 #endif
+/* KB of x rows per block: they stay in L2 while the panels pass (Zen 3: 512 KB of L2; AVX-512
+ * hosts have 1-2 MB, where 768 measured 4% faster than 192 at 2048 rows) */
 #ifndef GEMM_XBLOCK
 #ifdef __AVX512F__
 #define GEMM_XBLOCK 768
@@ -55,6 +55,7 @@ void gemm_pack(const float *w, int64_t ldw, int64_t N, int64_t K, float *out) {
     }
 }
 
+#ifndef __AVX512F__
 /* MR rows (1..6) x 16 columns of y, over all K. cols < 16 only on a last, partial panel.
  * Named accumulators, not an array: gcc kept an array on the stack and stored it every k. */
 #define ROW(r, c0, c1)                                                                     \
@@ -87,7 +88,7 @@ static inline __attribute__((always_inline)) void tile(
 }
 #undef ROW
 
-static __attribute__((unused)) void rows_of_panel(const float *a, int64_t lda, int64_t m, const float *b, int64_t K,
+static void rows_of_panel(const float *a, int64_t lda, int64_t m, const float *b, int64_t K,
                           float *c, int64_t ldc, int64_t cols, int next_panel) {
     int64_t r = 0;
     /* With more than one tile of rows, the first fetches the next panel (a line per k) while
@@ -104,7 +105,7 @@ static __attribute__((unused)) void rows_of_panel(const float *a, int64_t lda, i
     }
 }
 
-#ifdef __AVX512F__
+#else
 /* AVX-512: MR rows (1..8) x 32 columns, from two neighbouring panels (b, b + K * 16): 16 zmm
  * accumulators, 2 loads of B and 8 broadcasts per 16 FMAs. nb: panels present (1 or 2);
  * cols: columns of the last one to store (16 but on a partial last panel). */
@@ -147,7 +148,8 @@ static inline __attribute__((always_inline)) void tile512(
 #undef ROWZ
 
 #define TILES512(NB)                                                                       \
-    for (; r + 8 <= m; r += 8, pf = 0) tile512(8, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf); \
+    for (; r + 8 <= m; r += 8, pf = 0)                                                     \
+        tile512(8, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf);                \
     switch (m - r) {                                                                       \
     case 7: tile512(7, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf); break;     \
     case 6: tile512(6, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf); break;     \
@@ -177,7 +179,7 @@ void gemm_packed(const float *x, int64_t ldx, const float *packed, int64_t M, in
     /* x rows per block: at most GEMM_XBLOCK KB of x (it stays in L2 while the panels pass),
      * blocks of equal size in whole tiles (64 rows of K = 1536 go as 3 x 24, not 30 + 30 + 4) */
     int64_t mc = (GEMM_XBLOCK * 1024 / 4) / K;
-    if (mc < 6) mc = 6;
+    if (mc < TILE_ROWS) mc = TILE_ROWS;
     const int64_t blocks = (M + mc - 1) / mc;
     mc = ((M + blocks - 1) / blocks + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
     /* a team costs a few microseconds to wake: not for a tiny model's products */
