@@ -48,22 +48,26 @@ def main() -> None:
     ap.add_argument("--num-adapters", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--ranks", default="8,16,32,64",
+                    help="adapter ranks, cycled over the adapters (issue 13's workload: 6 "
+                         "adapters of ranks 4,8,16,32,48,64 over 32 requests)")
     ap.add_argument("--adapter-dtype", default="float32", choices=["float32", "bfloat16"],
                     help="dtype of the adapter files (bf16: as adapters trained in bf16 are)")
     ap.add_argument("--lora-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="loraserve's lora_dtype: adapter weights in compute memory")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    ranks = tuple(int(r) for r in args.ranks.split(","))
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     model_dir = default_model_dir()
     tmp = Path(tempfile.mkdtemp(prefix="loraserve-bench-"))
-    paths = make_synthetic_adapters(model_dir, tmp, args.num_adapters, ranks=(8, 16, 32, 64),
+    paths = make_synthetic_adapters(model_dir, tmp, args.num_adapters, ranks=ranks,
                                     dtype=args.adapter_dtype)
     names = [p.name for p in paths]
     llm = LLM(model_dir, lora_paths={p.name: str(p) for p in paths},
-              max_loras_per_batch=args.num_adapters, max_lora_rank=64,
+              max_loras_per_batch=args.num_adapters, max_lora_rank=max(ranks),
               lora_dtype=args.lora_dtype,
               enable_prefix_caching=False)  # runs repeat the prompts; PEFT caches nothing
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -116,6 +120,8 @@ def main() -> None:
         if k in res:
             print(f"{k:26s} {res[k]:.2f}")
     name = "multi_lora" if args.reps else "multi_lora-vs-base"
+    if (args.num_requests, args.num_adapters, ranks) != (64, 16, (8, 16, 32, 64)):
+        name += f"-{args.num_requests}req-{args.num_adapters}ad-r{'_'.join(map(str, ranks))}"
     if (args.adapter_dtype, args.lora_dtype) != ("float32", "auto"):
         name += f"-adapters_{args.adapter_dtype}-lora_dtype_{args.lora_dtype}"
     print("wrote", write_result(name, res))

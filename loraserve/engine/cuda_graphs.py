@@ -34,7 +34,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Protocol
 
 import torch
@@ -200,7 +199,7 @@ class DecodeGraphs:
         plan = self.lora.graph_plan_view(self.plan, b) if with_lora else None
         if plan is not None:
             self.lora.fill_graph_plan(plan, [])
-        hook = None if plan is None else partial(self.lora.apply, plan)
+        hook = self.lora.step(plan)
         if self.logits is None:
             self.logits = torch.zeros(self.max_bs, self.model.lm_head.out_features,
                                       dtype=self.model.embed.dtype, device=self.ids.device)

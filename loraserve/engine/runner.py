@@ -8,7 +8,6 @@ made on the engine's device; attention and LoRA each build their own per-step me
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import partial
 
 import torch
 
@@ -116,7 +115,7 @@ class ModelRunner:
                 logits = self.graphs.run(ids, pos, attn_seqs, seq_slots)
             else:
                 plan = self.lora.plan(seq_slots)
-                hook = None if plan is None else partial(self.lora.apply, plan)  # base-only
+                hook = self.lora.step(plan)  # None: base-only
                 logits = self.model.forward(
                     torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
                     self.kv_caches, self.attention, self.attention.prepare(attn_seqs),

@@ -319,8 +319,9 @@ static void expand_rows(const float *t, int64_t ldt, const wt *blk, int64_t stri
     for (int64_t tok = tok0; tok < tok1; tok++)
         for (int64_t c = n64; c < n; c++) {
             float acc = y[tok * ldy + c0 + c];
-            for (int64_t j = o0; j < o1; j++)
-                acc += t[tok * ldt + j] * wf(tail[(j - o0) * (n - n64) + c - n64]);
+            for (int64_t j = o0; j < o1; j++) /* one FMA per product, as in the tiles */
+                acc = __builtin_fmaf(t[tok * ldt + j], wf(tail[(j - o0) * (n - n64) + c - n64]),
+                                     acc);
             y[tok * ldy + c0 + c] = acc;
         }
 }

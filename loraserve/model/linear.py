@@ -54,6 +54,12 @@ class Linear:
         return torch.mm(x, self._weight_t)
 
     @property
+    def panels(self) -> torch.Tensor | None:
+        """The weight packed for our GEMM (ops/gemm.pack_panels), or None on another backend;
+        for fused callers (lora/backends/cpu_kernel.py) that run the GEMM themselves."""
+        return self._panels
+
+    @property
     def weight(self) -> torch.Tensor:
         """The `[d_out, d_in]` weight as a plain tensor (a copy when packed)."""
         if self._panels is not None:

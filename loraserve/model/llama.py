@@ -15,6 +15,7 @@ hook that sees only slot indices, never adapter names.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -31,9 +32,13 @@ from loraserve.ops.elementwise import add_rms_norm_, silu_mul
 
 
 class LoraHook(Protocol):
-    """Adds LoRA deltas in place: `y += delta(x)` for the module group of one layer."""
+    """Adds LoRA deltas for the module group of one layer: `project` returns `linear(x)` with
+    them added (fused into the GEMM where the backend can); calling it adds them to y."""
 
     def __call__(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None: ...
+
+    def project(self, layer: int, group: str, x: torch.Tensor,
+                linear: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor: ...
 
 
 @dataclass
@@ -113,9 +118,7 @@ class LlamaModel:
         # Residual adds are in place into h (a fresh tensor), each fused with the norm after
         # it; x is h itself where a family has no norm there, and is used up before h changes.
         for li, (w, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            qkv = w.qkv(x)  # [T, q + 2kv]
-            if lora is not None:
-                lora(li, "qkv", x, qkv)
+            qkv = w.qkv(x) if lora is None else lora.project(li, "qkv", x, w.qkv)
             if w.qk_full_norm is not None:  # OLMo 2: over all heads at once, before RoPE
                 qkv[:, :q_size] = rms_norm(qkv[:, :q_size], w.qk_full_norm[0], eps)
                 qkv[:, q_size : q_size + kv_size] = rms_norm(
@@ -131,19 +134,13 @@ class LlamaModel:
             a = attention.forward(q, k, v, k_cache, v_cache, attn_meta, self.scale, w.window,
                                   softcap)
             a = a.reshape(-1, q_size)
-            o = w.o(a)  # [T, d]
-            if lora is not None:
-                lora(li, "o", a, o)
+            o = w.o(a) if lora is None else lora.project(li, "o", a, w.o)
             if w.attn_out_norm is not None:
                 o = rms_norm(o, w.attn_out_norm, eps)
             x = add_rms_norm_(h, o, res, w.post_norm, eps)
-            gu = w.gate_up(x)  # [T, 2*inter]
-            if lora is not None:
-                lora(li, "gate_up", x, gu)
+            gu = w.gate_up(x) if lora is None else lora.project(li, "gate_up", x, w.gate_up)
             m = self.act_mul(gu, self.inter)  # [T, inter]
-            d = w.down(m)
-            if lora is not None:
-                lora(li, "down", m, d)
+            d = w.down(m) if lora is None else lora.project(li, "down", m, w.down)
             if w.mlp_out_norm is not None:
                 d = rms_norm(d, w.mlp_out_norm, eps)
             nxt = self.layers[li + 1].input_norm if li + 1 < len(self.layers) else None

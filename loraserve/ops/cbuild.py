@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -45,11 +46,21 @@ def arch_flags() -> list[str]:
     return [f"-march={os.environ.get('LORASERVE_CPU_ARCH', 'native')}"]
 
 
+def _source_texts(source: Path) -> list[str]:
+    """The text of `source` and of the files it includes with `#include "..."` (ours, e.g.
+    lora/gemm_expand_cpu.c includes ops/gemm_cpu.c), so an edit to either rebuilds it."""
+    text = source.read_text()
+    out = [text]
+    for m in re.finditer(r'^#include "([^"]+)"', text, re.MULTILINE):
+        out += _source_texts((source.parent / m.group(1)).resolve())
+    return out
+
+
 def compile_once(cc: str, source: Path, flags: list[str]) -> Path:
     """The shared library of `source` built with `flags`, compiling it only if not cached."""
     flags = arch_flags() + flags
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), cc, version, _cpu_id(), *CFLAGS,
+    key = hashlib.sha256("\0".join([*_source_texts(source), cc, version, _cpu_id(), *CFLAGS,
                                     *flags]).encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / f"{source.stem}-{key}.so"
     if out.exists():

@@ -26,6 +26,17 @@
 #include <immintrin.h>
 
 #define NR 16
+
+/* An optional low-rank update fused into a tile's epilogue (the LoRA expand,
+ * lora/gemm_expand_cpu.c): after the K loop the accumulators go on over j < nj with
+ * t[row * ldt + j] as x and e + j * lde as the weight row (the tile's columns of one B strip),
+ * so y = x @ W^T + t @ E with each product added in the same order as a separate expand. */
+typedef struct {
+    const float *t;
+    int64_t ldt;
+    const float *e;
+    int64_t lde, nj;
+} lowrank;
 #ifdef __AVX512F__
 #define TILE_ROWS 8 /* rows of a register tile */
 #else
@@ -66,7 +77,7 @@ void gemm_pack(const float *w, int64_t ldw, int64_t N, int64_t K, float *out) {
     }
 static inline __attribute__((always_inline)) void tile(
         const int MR, const float *a, int64_t lda, const float *b, int64_t K, float *c,
-        int64_t ldc, int64_t cols, const float *pf) {
+        int64_t ldc, int64_t cols, const float *pf, const lowrank *lr) {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
 #pragma GCC unroll 4
@@ -75,6 +86,16 @@ static inline __attribute__((always_inline)) void tile(
         const __m256 b0 = _mm256_loadu_ps(b + k * NR), b1 = _mm256_loadu_ps(b + k * NR + 8);
         ROW(0, c00, c01) ROW(1, c10, c11) ROW(2, c20, c21)
         ROW(3, c30, c31) ROW(4, c40, c41) ROW(5, c50, c51)
+    }
+    if (lr) { /* the low-rank epilogue: the same FMAs on (t, e) */
+        const float *a = lr->t;
+        const int64_t lda = lr->ldt;
+        for (int64_t k = 0; k < lr->nj; k++) {
+            const __m256 b0 = _mm256_loadu_ps(lr->e + k * lr->lde);
+            const __m256 b1 = _mm256_loadu_ps(lr->e + k * lr->lde + 8);
+            ROW(0, c00, c01) ROW(1, c10, c11) ROW(2, c20, c21)
+            ROW(3, c30, c31) ROW(4, c40, c41) ROW(5, c50, c51)
+        }
     }
     const __m256 acc[6][2] = {{c00, c01}, {c10, c11}, {c20, c21},
                               {c30, c31}, {c40, c41}, {c50, c51}};
@@ -94,13 +115,13 @@ static void rows_of_panel(const float *a, int64_t lda, int64_t m, const float *b
     /* With more than one tile of rows, the first fetches the next panel (a line per k) while
      * it reads this one (batch 1 measured faster without: one stream) */
     const float *pf = m > 6 && next_panel ? b + K * NR : 0;
-    for (; r + 6 <= m; r += 6, pf = 0) tile(6, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf);
+    for (; r + 6 <= m; r += 6, pf = 0) tile(6, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0);
     switch (m - r) {
-    case 5: tile(5, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf); break;
-    case 4: tile(4, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf); break;
-    case 3: tile(3, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf); break;
-    case 2: tile(2, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf); break;
-    case 1: tile(1, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf); break;
+    case 5: tile(5, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0); break;
+    case 4: tile(4, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0); break;
+    case 3: tile(3, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0); break;
+    case 2: tile(2, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0); break;
+    case 1: tile(1, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0); break;
     default: break;
     }
 }
@@ -117,7 +138,7 @@ static void rows_of_panel(const float *a, int64_t lda, int64_t m, const float *b
     }
 static inline __attribute__((always_inline)) void tile512(
         const int MR, const int NB, const float *a, int64_t lda, const float *b, int64_t K,
-        float *c, int64_t ldc, int64_t cols, const float *pf) {
+        float *c, int64_t ldc, int64_t cols, const float *pf, const lowrank *lr) {
     __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m512 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     __m512 c60 = c00, c61 = c00, c70 = c00, c71 = c00;
@@ -132,6 +153,16 @@ static inline __attribute__((always_inline)) void tile512(
         const __m512 b1 = NB > 1 ? _mm512_loadu_ps(b1p + k * NR) : b0;
         ROWZ(0, c00, c01) ROWZ(1, c10, c11) ROWZ(2, c20, c21) ROWZ(3, c30, c31)
         ROWZ(4, c40, c41) ROWZ(5, c50, c51) ROWZ(6, c60, c61) ROWZ(7, c70, c71)
+    }
+    if (lr) { /* the low-rank epilogue: the same FMAs on (t, e) */
+        const float *a = lr->t;
+        const int64_t lda = lr->ldt;
+        for (int64_t k = 0; k < lr->nj; k++) {
+            const __m512 b0 = _mm512_loadu_ps(lr->e + k * lr->lde);
+            const __m512 b1 = NB > 1 ? _mm512_loadu_ps(lr->e + k * lr->lde + NR) : b0;
+            ROWZ(0, c00, c01) ROWZ(1, c10, c11) ROWZ(2, c20, c21) ROWZ(3, c30, c31)
+            ROWZ(4, c40, c41) ROWZ(5, c50, c51) ROWZ(6, c60, c61) ROWZ(7, c70, c71)
+        }
     }
     const __m512 acc[8][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31},
                               {c40, c41}, {c50, c51}, {c60, c61}, {c70, c71}};
@@ -149,15 +180,15 @@ static inline __attribute__((always_inline)) void tile512(
 
 #define TILES512(NB)                                                                       \
     for (; r + 8 <= m; r += 8, pf = 0)                                                     \
-        tile512(8, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf);                \
+        tile512(8, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0);                \
     switch (m - r) {                                                                       \
-    case 7: tile512(7, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf); break;     \
-    case 6: tile512(6, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf); break;     \
-    case 5: tile512(5, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf); break;     \
-    case 4: tile512(4, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf); break;     \
-    case 3: tile512(3, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf); break;     \
-    case 2: tile512(2, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf); break;     \
-    case 1: tile512(1, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf); break;     \
+    case 7: tile512(7, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0); break;     \
+    case 6: tile512(6, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0); break;     \
+    case 5: tile512(5, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0); break;     \
+    case 4: tile512(4, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0); break;     \
+    case 3: tile512(3, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0); break;     \
+    case 2: tile512(2, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0); break;     \
+    case 1: tile512(1, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0); break;     \
     default: break;                                                                        \
     }
 

@@ -19,7 +19,7 @@ pays nothing for LoRA.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -55,6 +55,18 @@ class LoraBackend(ABC):
                 groups[g] = self.plan_group(batch, g, segs)
         return LoraPlan(batch, groups)
 
+    def project(self, plan: LoraPlan, layer: int, group: str, x: torch.Tensor,
+                linear: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`linear(x)` with the group's LoRA deltas added: the projection, then `apply`. A
+        backend may fuse the two (cpu_kernel.py does), with the same results."""
+        y = linear(x)
+        self.apply(plan, layer, group, x, y)
+        return y
+
+    def step(self, plan: LoraPlan | None) -> LoraStep | None:
+        """The model's LoRA hook for a step with this plan (None: a base-only step)."""
+        return None if plan is None else LoraStep(self, plan)
+
     def apply(self, plan: LoraPlan, layer: int, group: str, x: torch.Tensor,
               y: torch.Tensor) -> None:
         """x: [T, d_in] the group's input; y: [T, d_out_g] its fused output, updated in place
@@ -75,3 +87,17 @@ class LoraBackend(ABC):
                     x: torch.Tensor, y: torch.Tensor) -> None:
         """The op on one layer's weights of the group: group_A [S, R_g * d_in], group_B
         [S, max_rank * d_out_g] (the slot pool's tensors)."""
+
+
+class LoraStep:
+    """The model's LoRA hook (model/llama.LoraHook) for one step: the backend and its plan."""
+
+    def __init__(self, backend: LoraBackend, plan: LoraPlan) -> None:
+        self.backend, self.plan = backend, plan
+
+    def __call__(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.backend.apply(self.plan, layer, group, x, y)
+
+    def project(self, layer: int, group: str, x: torch.Tensor,
+                linear: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        return self.backend.project(self.plan, layer, group, x, linear)

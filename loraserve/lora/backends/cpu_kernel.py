@@ -1,14 +1,24 @@
 """The `cpu` LoRA backend: the C kernel (lora/sgmv_cpu.c), one call per layer and group for
 every segment of the step, decodes and long prompts alike (2.3-2.7x oneDNN's GEMMs even for
-one 2048-token prompt; benchmarks/lora_op_micro.py)."""
+one 2048-token prompt; benchmarks/lora_op_micro.py).
+
+Where the projection runs on our GEMM (ops/gemm_cpu.c) and the step has long segments, the
+expand is fused into the GEMM's tiles (lora/gemm_expand_cpu.c): the shrink, then one pass
+that writes y once. Same results bit for bit; it saves moving y through memory twice more."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from loraserve.lora import sgmv_cpu
-from loraserve.lora.backends.base import LoraBackend
+from loraserve.lora import gemm_expand_cpu, sgmv_cpu
+from loraserve.lora.backends.base import LoraBackend, LoraPlan
 from loraserve.lora.batch import LoraBatch, SlotWeights
+
+# Segments at least this long on average take the fused expand: at decode (a few tokens per
+# adapter) a segment's tiles would be too short for the GEMM (benchmarks/fused_expand.py).
+FUSE_MIN_TOKENS = 16
 
 # The kernel's view of one group: int64 (slot, start, end, rank) rows, int64 (segment, o0,
 # o1, c0, c1, boff) rows, and the widest rank.
@@ -31,6 +41,13 @@ class CpuKernelLoraBackend(LoraBackend):
             raise ValueError(f"the C LoRA kernel built for this CPU reads slot pools of tile "
                              f"width {sgmv_cpu.preferred_tile(self.kernel)}, not "
                              f"{weights.tile_width}")
+        fused = gemm_expand_cpu.load() if weights.dtype == torch.float32 else None
+        unit = gemm_expand_cpu.unit(fused) if fused is not None else 0
+        # groups whose every module (and the B strips) are whole tile units wide
+        self.fusable = {g for g, lay in weights.layouts.items()
+                        if unit and weights.tile_width % unit == 0
+                        and all(d % unit == 0 for d in lay.d_outs)}
+        self.fused = fused
 
     def plan_group(self, batch: LoraBatch, group: str,
                    segments: list[tuple[int, int, int, int]]) -> KernelPlan:
@@ -40,6 +57,24 @@ class CpuKernelLoraBackend(LoraBackend):
         return (torch.tensor(segments, dtype=torch.int64, device=dev),
                 torch.tensor(parts, dtype=torch.int64, device=dev),
                 max(r for *_, r in segments))
+
+    def project(self, plan: LoraPlan, layer: int, group: str, x: torch.Tensor,
+                linear: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        data = plan.groups.get(group)
+        panels = getattr(linear, "panels", None)  # None: not our GEMM (or a bias to add)
+        if (data is None or panels is None or group not in self.fusable
+                or hasattr(linear, "bias") or x.dtype != torch.float32
+                or x.shape[0] < FUSE_MIN_TOKENS * data[0].shape[0]):
+            return super().project(plan, layer, group, x, linear)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        segs, parts, max_rank = data
+        t = sgmv_cpu.shrink(self.kernel, x, self.weights.A[layer][group], segs, max_rank,
+                            self.weights.tile_width)
+        y = gemm_expand_cpu.gemm_expand(self.fused, x, panels, linear.out_features, t,
+                                        self.weights.B[layer][group], segs, parts,
+                                        self.weights.tile_width)
+        return super().project(plan, layer, group, x, linear) if y is None else y
 
     def apply_group(self, plan: KernelPlan, group_A: torch.Tensor, group_B: torch.Tensor,
                     x: torch.Tensor, y: torch.Tensor) -> None:

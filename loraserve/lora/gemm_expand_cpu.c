@@ -1,0 +1,159 @@
+/* A base projection and its LoRA expand in one pass: y = x @ W^T, then for every token of a
+ * segment y[tok, cols of module m] += t[tok, o0:o1] @ B_m, with t = x @ A^T already computed
+ * (the shrink, lora/sgmv_cpu.c). Each register tile of the GEMM (ops/gemm_cpu.c) goes on over
+ * the segment's rank rows before it stores: y is written once instead of written by the GEMM,
+ * then read and written again by the expand (at 2048 tokens that traffic is ~2.5 GB a step).
+ *
+ * Same results, bit for bit, as the GEMM followed by lora_sgmv's expand: every y element is
+ * its GEMM sum, then + t[j] * B[j] by FMA for j = o0.. in order, in both.
+ *
+ * Row tiles never straddle a segment (each tile has one adapter); the column unit of a tile
+ * (16 columns with AVX2, 32 with AVX-512) must lie inside one module and one B strip, so
+ * every module's columns and the strip width must be multiples of it: gemm_expand_supported()
+ * says whether a layout qualifies (returns -3 otherwise; the caller then runs the two ops).
+ * B's layout is lora/sgmv_cpu.c's: a module's [r, n] block as `strip`-column strips.
+ */
+#include "../ops/gemm_cpu.c"
+#include <stdlib.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#ifdef __AVX512F__
+#define UNIT (2 * NR) /* columns per tile: a pair of panels */
+#else
+#define UNIT NR
+#endif
+
+int gemm_expand_unit(void) { return UNIT; }
+
+/* Whether every part's columns and the strip width are whole units. */
+static int aligned(const int64_t *parts, int64_t npart, int64_t strip) {
+    if (strip % UNIT) return 0;
+    for (int64_t p = 0; p < npart; p++)
+        if (parts[6 * p + 3] % UNIT || parts[6 * p + 4] % UNIT) return 0;
+    return 1;
+}
+
+/* The epilogue of segment s's tiles at columns [cb, cb + UNIT), rows from `row`; 0 when no
+ * module of the segment covers those columns. */
+static const lowrank *epilogue(lowrank *lr, const int64_t *g, const int64_t *p0,
+                               const int64_t *p1, int64_t cb, int64_t row, const float *t,
+                               int64_t ldt, const float *B, int64_t b_slot, int64_t strip) {
+    for (const int64_t *q = p0; q < p1; q += 6) {
+        if (cb < q[3] || cb >= q[4]) continue;
+        const int64_t r = q[2] - q[1], n = q[4] - q[3], lc = cb - q[3], k = lc / strip;
+        const int64_t sw = n - k * strip < strip ? n - k * strip : strip;
+        lr->t = t + row * ldt + q[1];
+        lr->ldt = ldt;
+        lr->e = B + g[0] * b_slot + q[5] + k * strip * r + lc % strip;
+        lr->lde = sw;
+        lr->nj = r;
+        return lr;
+    }
+    return 0;
+}
+
+#ifdef __AVX512F__
+#define TILE(MR) tile512(MR, 2, a, lda, b, K, c, ldc, NR, pf, e)
+#else
+#define TILE(MR) tile(MR, a, lda, b, K, c, ldc, NR, pf, e)
+#endif
+
+/* rows [r0, r1) of one column unit, all of one segment (e) or of none (e = 0) */
+static void unit_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, const float *b,
+                      int64_t K, float *y, int64_t ldy, const lowrank *e0, const float *pf) {
+    lowrank l;
+    for (int64_t r = r0; r < r1;) {
+        const int64_t m = r1 - r < TILE_ROWS ? r1 - r : TILE_ROWS;
+        const float *a = x + r * ldx;
+        const int64_t lda = ldx, ldc = ldy;
+        float *c = y + r * ldy;
+        const lowrank *e = 0;
+        if (e0) { l = *e0; l.t += (r - r0) * l.ldt; e = &l; }
+        switch (m) {
+        case 1: TILE(1); break;
+        case 2: TILE(2); break;
+        case 3: TILE(3); break;
+        case 4: TILE(4); break;
+        case 5: TILE(5); break;
+#ifdef __AVX512F__
+        case 6: TILE(6); break;
+        case 7: TILE(7); break;
+        default: TILE(8); break;
+#else
+        default: TILE(6); break;
+#endif
+        }
+        r += m;
+        pf = 0; /* only the first tile fetches the next unit's panels */
+    }
+}
+#undef TILE
+
+int gemm_expand(const float *x, int64_t ldx, const float *packed, int64_t M, int64_t N,
+                int64_t K, float *y, int64_t ldy, const float *t, int64_t ldt,
+                const float *B, int64_t b_slot, const int64_t *segs, int64_t nseg,
+                const int64_t *parts, int64_t npart, int64_t strip, int nthreads) {
+    if (N % UNIT || !aligned(parts, npart, strip)) return -3;
+    for (int64_t s = 0; s < nseg; s++) { /* segments in token order, inside [0, M) */
+        const int64_t *g = segs + 4 * s;
+        if (g[1] > g[2] || g[2] > M || (s && g[1] < segs[4 * s - 2])) return -1;
+    }
+    for (int64_t p = 0; p < npart; p++) /* parts in segment order, as plan_group makes them */
+        if (parts[6 * p] < 0 || parts[6 * p] >= nseg || (p && parts[6 * p] < parts[6 * p - 6]))
+            return -1;
+    /* runs of rows: (first row, end, segment or -1), covering [0, M) */
+    int64_t *runs = malloc((2 * nseg + 1) * 3 * sizeof *runs), *pstart = malloc((nseg + 1) * sizeof *pstart);
+    if (!runs || !pstart) { free(runs); free(pstart); return -2; }
+    int64_t nrun = 0, row = 0;
+    for (int64_t s = 0; s <= nseg; s++) {
+        const int64_t start = s < nseg ? segs[4 * s + 1] : M;
+        if (start > row) { runs[3 * nrun] = row; runs[3 * nrun + 1] = start; runs[3 * nrun++ + 2] = -1; }
+        if (s == nseg) break;
+        runs[3 * nrun] = start; runs[3 * nrun + 1] = row = segs[4 * s + 2]; runs[3 * nrun++ + 2] = s;
+    }
+    for (int64_t s = 0, p = 0; s <= nseg; s++) {
+        while (p < npart && parts[6 * p] < s) p++;
+        pstart[s] = p;
+    }
+    /* x rows per block, as gemm_packed: the block stays in L2 while the panels pass */
+    int64_t mc = (GEMM_XBLOCK * 1024 / 4) / K;
+    if (mc < TILE_ROWS) mc = TILE_ROWS;
+    const int64_t blocks = (M + mc - 1) / mc, units = N / UNIT;
+    mc = ((M + blocks - 1) / blocks + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+    for (int64_t m0 = 0; m0 < M; m0 += mc) {
+        const int64_t m1 = M - m0 < mc ? M : m0 + mc;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            const int64_t cb = u * UNIT;
+            const float *b = packed + cb * K; /* this unit's panels: UNIT / NR of them */
+            const float *pf = m1 - m0 > TILE_ROWS && u + 1 < units ? b + UNIT * K : 0;
+            for (int64_t i = 0; i < nrun; i++) {
+                const int64_t *rn = runs + 3 * i;
+                const int64_t r0 = rn[0] > m0 ? rn[0] : m0, r1 = rn[1] < m1 ? rn[1] : m1;
+                if (r0 >= r1) continue;
+                lowrank l;
+                const lowrank *e = 0;
+                if (rn[2] >= 0)
+                    e = epilogue(&l, segs + 4 * rn[2], parts + 6 * pstart[rn[2]],
+                                 parts + 6 * pstart[rn[2] + 1], cb, r0, t, ldt, B, b_slot, strip);
+                unit_rows(x, ldx, r0, r1, b, K, y + cb, ldy, e, pf);
+                pf = 0;
+            }
+        }
+    }
+    free(runs);
+    free(pstart);
+    return 0;
+}
+#else
+int gemm_expand_unit(void) { return 0; }
+int gemm_expand(const float *x, int64_t ldx, const float *packed, int64_t M, int64_t N,
+                int64_t K, float *y, int64_t ldy, const float *t, int64_t ldt,
+                const float *B, int64_t b_slot, const int64_t *segs, int64_t nseg,
+                const int64_t *parts, int64_t npart, int64_t strip, int nthreads) {
+    (void)x; (void)ldx; (void)packed; (void)M; (void)N; (void)K; (void)y; (void)ldy; (void)t;
+    (void)ldt; (void)B; (void)b_slot; (void)segs; (void)nseg; (void)parts; (void)npart;
+    (void)strip; (void)nthreads;
+    return -3;
+}
+#endif
