@@ -37,6 +37,12 @@ typedef struct {
     const float *e;
     int64_t lde, nj;
 } lowrank;
+
+/* Another stream to fetch while a tile computes: one 64-byte line of ps per k step, for
+ * k < pn (the interleaved decode LoRA, lora/gemm_lora_decode_cpu.c, fetches adapter weights
+ * it reads next, so their memory time hides under the tile's FMAs). Into L2: into L1 measured
+ * the same, and spreading the lines evenly over K slower (a branch every k). */
+#define STREAM_LINE 16 /* floats per line */
 #ifdef __AVX512F__
 #define TILE_ROWS 8 /* rows of a register tile */
 #else
@@ -77,12 +83,14 @@ void gemm_pack(const float *w, int64_t ldw, int64_t N, int64_t K, float *out) {
     }
 static inline __attribute__((always_inline)) void tile(
         const int MR, const float *a, int64_t lda, const float *b, int64_t K, float *c,
-        int64_t ldc, int64_t cols, const float *pf, const lowrank *lr) {
+        int64_t ldc, int64_t cols, const float *pf, const lowrank *lr, const float *ps,
+        int64_t pn) {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
 #pragma GCC unroll 4
     for (int64_t k = 0; k < K; k++) {
         if (pf) _mm_prefetch((const char *)(pf + k * NR), _MM_HINT_T0);
+        if (k < pn) _mm_prefetch((const char *)(ps + k * STREAM_LINE), _MM_HINT_T1);
         const __m256 b0 = _mm256_loadu_ps(b + k * NR), b1 = _mm256_loadu_ps(b + k * NR + 8);
         ROW(0, c00, c01) ROW(1, c10, c11) ROW(2, c20, c21)
         ROW(3, c30, c31) ROW(4, c40, c41) ROW(5, c50, c51)
@@ -115,13 +123,13 @@ static void rows_of_panel(const float *a, int64_t lda, int64_t m, const float *b
     /* With more than one tile of rows, the first fetches the next panel (a line per k) while
      * it reads this one (batch 1 measured faster without: one stream) */
     const float *pf = m > 6 && next_panel ? b + K * NR : 0;
-    for (; r + 6 <= m; r += 6, pf = 0) tile(6, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0);
+    for (; r + 6 <= m; r += 6, pf = 0) tile(6, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0);
     switch (m - r) {
-    case 5: tile(5, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0); break;
-    case 4: tile(4, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0); break;
-    case 3: tile(3, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0); break;
-    case 2: tile(2, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0); break;
-    case 1: tile(1, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0); break;
+    case 5: tile(5, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0); break;
+    case 4: tile(4, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0); break;
+    case 3: tile(3, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0); break;
+    case 2: tile(2, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0); break;
+    case 1: tile(1, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0); break;
     default: break;
     }
 }
@@ -138,7 +146,8 @@ static void rows_of_panel(const float *a, int64_t lda, int64_t m, const float *b
     }
 static inline __attribute__((always_inline)) void tile512(
         const int MR, const int NB, const float *a, int64_t lda, const float *b, int64_t K,
-        float *c, int64_t ldc, int64_t cols, const float *pf, const lowrank *lr) {
+        float *c, int64_t ldc, int64_t cols, const float *pf, const lowrank *lr,
+        const float *ps, int64_t pn) {
     __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m512 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     __m512 c60 = c00, c61 = c00, c70 = c00, c71 = c00;
@@ -149,6 +158,7 @@ static inline __attribute__((always_inline)) void tile512(
             _mm_prefetch((const char *)(pf + k * NR), _MM_HINT_T0);
             _mm_prefetch((const char *)(pf + K * NR + k * NR), _MM_HINT_T0);
         }
+        if (k < pn) _mm_prefetch((const char *)(ps + k * STREAM_LINE), _MM_HINT_T1);
         const __m512 b0 = _mm512_loadu_ps(b + k * NR);
         const __m512 b1 = NB > 1 ? _mm512_loadu_ps(b1p + k * NR) : b0;
         ROWZ(0, c00, c01) ROWZ(1, c10, c11) ROWZ(2, c20, c21) ROWZ(3, c30, c31)
@@ -180,15 +190,15 @@ static inline __attribute__((always_inline)) void tile512(
 
 #define TILES512(NB)                                                                       \
     for (; r + 8 <= m; r += 8, pf = 0)                                                     \
-        tile512(8, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0);                \
+        tile512(8, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0);                \
     switch (m - r) {                                                                       \
-    case 7: tile512(7, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0); break;     \
-    case 6: tile512(6, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0); break;     \
-    case 5: tile512(5, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0); break;     \
-    case 4: tile512(4, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0); break;     \
-    case 3: tile512(3, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0); break;     \
-    case 2: tile512(2, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0); break;     \
-    case 1: tile512(1, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0); break;     \
+    case 7: tile512(7, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0); break;     \
+    case 6: tile512(6, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0); break;     \
+    case 5: tile512(5, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0); break;     \
+    case 4: tile512(4, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0); break;     \
+    case 3: tile512(3, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0); break;     \
+    case 2: tile512(2, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0); break;     \
+    case 1: tile512(1, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0); break;     \
     default: break;                                                                        \
     }
 

@@ -2,9 +2,10 @@
 every segment of the step, decodes and long prompts alike (2.3-2.7x oneDNN's GEMMs even for
 one 2048-token prompt; benchmarks/lora_op_micro.py).
 
-Where the projection runs on our GEMM (ops/gemm_cpu.c) and the step has long segments, the
-expand is fused into the GEMM's tiles (lora/gemm_expand_cpu.c): the shrink, then one pass
-that writes y once. Same results bit for bit; it saves moving y through memory twice more."""
+Where the projection runs on our GEMM (ops/gemm_cpu.c), `project` fuses the two (lora/
+gemm_lora_cpu.py), with the same results bit for bit: for long segments the expand runs in
+the GEMM's tiles (y is written once); at decode the shrink and expand are interleaved with
+the GEMM, their adapter weights prefetched under its arithmetic."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from collections.abc import Callable
 
 import torch
 
-from loraserve.lora import gemm_expand_cpu, sgmv_cpu
+from loraserve.lora import gemm_lora_cpu, sgmv_cpu
 from loraserve.lora.backends.base import LoraBackend, LoraPlan
 from loraserve.lora.batch import LoraBatch, SlotWeights
 
-# Segments at least this long on average take the fused expand: at decode (a few tokens per
-# adapter) a segment's tiles would be too short for the GEMM (benchmarks/fused_expand.py).
+# Segments at least this long on average take the expand fused into the GEMM's tiles; shorter
+# ones (decode) the interleaved op: there a segment's own tiles would be too short for the
+# GEMM, and what costs is reading the weights.
 FUSE_MIN_TOKENS = 16
 
 # The kernel's view of one group: int64 (slot, start, end, rank) rows, int64 (segment, o0,
@@ -41,13 +43,14 @@ class CpuKernelLoraBackend(LoraBackend):
             raise ValueError(f"the C LoRA kernel built for this CPU reads slot pools of tile "
                              f"width {sgmv_cpu.preferred_tile(self.kernel)}, not "
                              f"{weights.tile_width}")
-        fused = gemm_expand_cpu.load() if weights.dtype == torch.float32 else None
-        unit = gemm_expand_cpu.unit(fused) if fused is not None else 0
+        f32 = weights.dtype == torch.float32
+        self.expand_lib = gemm_lora_cpu.load_expand() if f32 else None
+        self.decode_lib = gemm_lora_cpu.load_decode() if f32 else None
+        unit = gemm_lora_cpu.unit(self.expand_lib) if self.expand_lib is not None else 0
         # groups whose every module (and the B strips) are whole tile units wide
         self.fusable = {g for g, lay in weights.layouts.items()
                         if unit and weights.tile_width % unit == 0
                         and all(d % unit == 0 for d in lay.d_outs)}
-        self.fused = fused
 
     def plan_group(self, batch: LoraBatch, group: str,
                    segments: list[tuple[int, int, int, int]]) -> KernelPlan:
@@ -61,19 +64,23 @@ class CpuKernelLoraBackend(LoraBackend):
     def project(self, plan: LoraPlan, layer: int, group: str, x: torch.Tensor,
                 linear: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         data = plan.groups.get(group)
-        panels = getattr(linear, "panels", None)  # None: not our GEMM (or a bias to add)
+        panels = getattr(linear, "panels", None)  # None: not our GEMM
         if (data is None or panels is None or group not in self.fusable
-                or hasattr(linear, "bias") or x.dtype != torch.float32
-                or x.shape[0] < FUSE_MIN_TOKENS * data[0].shape[0]):
+                or hasattr(linear, "bias") or x.dtype != torch.float32):  # bias: added first
             return super().project(plan, layer, group, x, linear)
         if x.stride(-1) != 1:
             x = x.contiguous()
         segs, parts, max_rank = data
-        t = sgmv_cpu.shrink(self.kernel, x, self.weights.A[layer][group], segs, max_rank,
-                            self.weights.tile_width)
-        y = gemm_expand_cpu.gemm_expand(self.fused, x, panels, linear.out_features, t,
-                                        self.weights.B[layer][group], segs, parts,
-                                        self.weights.tile_width)
+        A, B, tile = self.weights.A[layer][group], self.weights.B[layer][group], \
+            self.weights.tile_width
+        if x.shape[0] < FUSE_MIN_TOKENS * segs.shape[0]:
+            y = gemm_lora_cpu.gemm_lora_decode(self.decode_lib, x, panels,
+                                               linear.out_features, A, B, segs, parts,
+                                               max_rank, tile)
+        else:
+            t = sgmv_cpu.shrink(self.kernel, x, A, segs, max_rank, tile)
+            y = gemm_lora_cpu.gemm_expand(self.expand_lib, x, panels, linear.out_features, t,
+                                          B, segs, parts, tile)
         return super().project(plan, layer, group, x, linear) if y is None else y
 
     def apply_group(self, plan: KernelPlan, group_A: torch.Tensor, group_B: torch.Tensor,

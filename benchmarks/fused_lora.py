@@ -1,0 +1,93 @@
+"""The projections of one step with their LoRA ops: separate (the GEMM, then the C LoRA
+kernel) against fused (lora/gemm_lora_cpu.py: the expand inside the GEMM's tiles for long
+segments, shrink and expand interleaved with the GEMM at decode), and the GEMMs alone.
+
+SmolLM2-135M shapes, float32, 30 layers x 4 groups, 16 adapters of ranks 8/16/32/64 on all
+seven modules (as benchmarks/multi_lora.py), the step's tokens spread evenly over them. The
+weights (425 MB of projections, 586 MB of adapters) are far larger than the caches, as in a
+real step. Variants run interleaved, round after round; medians of each, and of the per-round
+ratio of LoRA overheads (variant - GEMMs alone).
+
+    .venv/bin/python benchmarks/fused_lora.py [--tokens 64] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lora_op_micro import SMOLLM2, synthetic_adapter  # noqa: E402
+
+from loraserve.adapters.slot_pool import LoraSlotPool  # noqa: E402
+from loraserve.lora.backends import pool_tile_width  # noqa: E402
+from loraserve.lora.backends.base import LoraBackend  # noqa: E402
+from loraserve.lora.backends.cpu_kernel import CpuKernelLoraBackend  # noqa: E402
+from loraserve.lora.layout import GROUP_NAMES  # noqa: E402
+from loraserve.model.linear import Linear  # noqa: E402
+from loraserve.ops.gemm import gemm_backend  # noqa: E402
+
+RANKS = (8, 16, 32, 64)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=64, help="tokens in the step")
+    ap.add_argument("--adapters", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg, n = SMOLLM2, args.adapters
+    if gemm_backend() != "avx2":
+        sys.exit(f"the fused op needs our GEMM; this host's backend is {gemm_backend()}")
+    tile = pool_tile_width("cpu", torch.float32, torch.device("cpu"))
+    pool = LoraSlotPool(cfg, n, max(RANKS), tile_width=tile)
+    for s in range(n):
+        pool.write(s, synthetic_adapter(cfg, RANKS[s % len(RANKS)], seed=s))
+    backend = CpuKernelLoraBackend(pool)
+    per = args.tokens // n
+    plan = backend.plan([(s, per) for s in range(n)])
+    g = torch.Generator().manual_seed(0)
+    linears = [{name: Linear(torch.randn(lay.d_out, lay.d_in, generator=g) * 0.02)
+                for name, lay in pool.layouts.items()} for _ in range(cfg.num_hidden_layers)]
+    xs = {name: torch.randn(per * n, lay.d_in, generator=g) for name, lay in pool.layouts.items()}
+
+    def step(kind: str) -> float:
+        t0 = time.perf_counter()
+        for layer, lins in enumerate(linears):
+            for name in GROUP_NAMES:
+                x, lin = xs[name], lins[name]
+                if kind == "gemm":
+                    lin(x)
+                elif kind == "separate":
+                    LoraBackend.project(backend, plan, layer, name, x, lin)
+                else:
+                    backend.project(plan, layer, name, x, lin)
+        return time.perf_counter() - t0
+
+    kinds = ("gemm", "separate", "fused")
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for k in kinds:
+        step(k)  # warm-up: builds, first touches
+    for r in range(args.rounds):
+        for k in kinds if r % 2 == 0 else kinds[::-1]:
+            times[k].append(step(k))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = statistics.median((f - g) / (s - g) for g, s, f in
+                              zip(times["gemm"], times["separate"], times["fused"], strict=True))
+    print(f"{args.tokens} tokens over {n} adapters ({per} each), pool tile {tile}, "
+          f"{torch.get_num_threads()} threads")
+    for k in kinds:
+        extra = "" if k == "gemm" else f"   LoRA adds {1e3 * (med[k] - med['gemm']):6.1f} ms"
+        print(f"  {k:9s} {1e3 * med[k]:7.1f} ms/step{extra}")
+    print(f"  fused LoRA overhead / separate (median of rounds): {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Load and call the base projection fused with the LoRA op, through ctypes:
+- `gemm_expand` (gemm_expand_cpu.c), for prefill-length segments: the expand runs inside the
+  GEMM's register tiles, so y is written once;
+- `gemm_lora_decode` (gemm_lora_decode_cpu.c), for decode steps: shrink and expand interleaved
+  with the GEMM, their weights prefetched under its arithmetic.
+
+Both give the same results, bit for bit, as the projection followed by lora_sgmv. Built once
+each by ops/cbuild.py (float32 adapter weights only); None where they cannot be built or the CPU
+lacks AVX2 + FMA, and the LoRA backend then runs the two ops one after the other.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from loraserve.lora.layout import padded_rank
+from loraserve.ops.cbuild import load_library_once
+
+EXPAND_SOURCE = Path(__file__).with_name("gemm_expand_cpu.c")
+DECODE_SOURCE = Path(__file__).with_name("gemm_lora_decode_cpu.c")
+__all__ = ["gemm_expand", "gemm_lora_decode", "load_decode", "load_expand", "unit"]
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+def _configure_expand(lib: ctypes.CDLL) -> ctypes.CDLL | None:
+    lib.gemm_expand.restype = lib.gemm_expand_unit.restype = ctypes.c_int
+    lib.gemm_expand.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64,
+                                _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, ctypes.c_int]
+    return lib if lib.gemm_expand_unit() else None
+
+
+def _configure_decode(lib: ctypes.CDLL) -> ctypes.CDLL | None:
+    lib.gemm_lora_decode.restype = ctypes.c_int
+    lib.gemm_lora_decode.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr,
+                                     _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64,
+                                     _i64, ctypes.c_int]
+    return lib
+
+
+def load_expand() -> ctypes.CDLL | None:
+    """The prefill library, built on first use; None when it cannot be had."""
+    return load_library_once(EXPAND_SOURCE, [], "the fused projection + LoRA expand",
+                             _configure_expand)
+
+
+def load_decode() -> ctypes.CDLL | None:
+    """The decode library, built on first use; None when it cannot be had."""
+    return load_library_once(DECODE_SOURCE, [], "the interleaved decode projection + LoRA",
+                             _configure_decode)
+
+
+def unit(lib: ctypes.CDLL) -> int:
+    """Columns per register tile: module widths and the B strip width must be multiples."""
+    return lib.gemm_expand_unit()
+
+
+def _check(x: torch.Tensor, *weights: torch.Tensor) -> None:
+    if x.stride(1) != 1 or not all(w.is_contiguous() for w in weights):
+        raise ValueError("the fused LoRA projection needs x with unit column stride and "
+                         "contiguous adapter weights")
+    if x.dtype != torch.float32 or any(w.dtype != torch.float32 for w in weights):
+        raise ValueError(f"the fused LoRA projection takes float32, not x {x.dtype}, "
+                         f"weights {[w.dtype for w in weights]}")
+
+
+def _result(rc: int, what: str) -> bool:
+    """False where the layout does not fit (-3); raises on the errors."""
+    if rc == -1:
+        raise ValueError(f"{what}: segments out of order, past the batch or over the rank")
+    if rc == -2:
+        raise MemoryError(f"{what} could not allocate its work lists")
+    return rc == 0
+
+
+def gemm_expand(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, d_out: int,
+                t: torch.Tensor, B: torch.Tensor, segs: torch.Tensor, parts: torch.Tensor,
+                strip: int) -> torch.Tensor | None:
+    """x @ W.T (W packed as ops/gemm.pack_panels) plus every segment's t @ B, in a new
+    tensor; None when the layout does not fit the tiles (the caller runs the two ops).
+
+    x: float32 [T, d_in]; t: [T, ldt] from the LoRA shrink; B: the slot pool's [S, block
+    floats]; segs int64 [n, 4] (slot, start, end, rank) in token order; parts int64 [m, 6]
+    (seg, o0, o1, c0, c1, boff) in segment order."""
+    _check(x, B)
+    if t.stride(1) != 1:
+        raise ValueError("gemm_expand needs t with unit column stride")
+    m, k = x.shape
+    y = torch.empty(m, d_out, dtype=torch.float32)
+    rc = lib.gemm_expand(x.data_ptr(), x.stride(0), panels.data_ptr(), m, d_out, k,
+                         y.data_ptr(), d_out, t.data_ptr(), t.stride(0), B.data_ptr(),
+                         B.stride(0), segs.data_ptr(), segs.shape[0], parts.data_ptr(),
+                         parts.shape[0], strip, torch.get_num_threads())
+    return y if _result(rc, "gemm_expand") else None
+
+
+def gemm_lora_decode(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, d_out: int,
+                     A: torch.Tensor, B: torch.Tensor, segs: torch.Tensor,
+                     parts: torch.Tensor, max_rank: int, strip: int) -> torch.Tensor | None:
+    """x @ W.T plus the LoRA delta of every segment (shrink and expand with the slot pool's
+    A [S, R * d_in] and B [S, block floats]), in a new tensor; None when the layout does not
+    fit (the caller runs the two ops)."""
+    _check(x, A, B)
+    m, k = x.shape
+    ldt = padded_rank(max_rank)
+    t = torch.empty(m, ldt, dtype=torch.float32)
+    y = torch.empty(m, d_out, dtype=torch.float32)
+    rc = lib.gemm_lora_decode(x.data_ptr(), x.stride(0), panels.data_ptr(), m, d_out, k,
+                              y.data_ptr(), d_out, A.data_ptr(), A.stride(0), B.data_ptr(),
+                              B.stride(0), segs.data_ptr(), segs.shape[0], parts.data_ptr(),
+                              parts.shape[0], t.data_ptr(), ldt, strip,
+                              torch.get_num_threads())
+    return y if _result(rc, "gemm_lora_decode") else None
