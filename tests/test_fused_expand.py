@@ -137,3 +137,30 @@ def test_the_c_entries_refuse_a_misaligned_layout():
     assert gemm_lora_cpu.gemm_expand(EXPAND, x, panels, 16, t, B, segs, parts, 64) is None
     assert gemm_lora_cpu.gemm_lora_decode(DECODE, x, panels, 16, A, B, segs, parts, 8,
                                           64) is None
+
+
+def test_engine_tokens_are_the_same_with_the_fused_ops_off(tiny_model_dir, tmp_path,
+                                                          monkeypatch, fused_calls):
+    # Through the engine: prompts of 1..60 tokens over three adapters and the base model
+    # (prefill steps take the expand-in-tiles path, decode steps the interleaved one); the
+    # tokens equal those of the projection-then-LoRA path exactly
+    from adapter_factory import make_peft_adapter
+
+    from loraserve import LLM, SamplingParams
+
+    paths = {f"a{r}": str(make_peft_adapter(tiny_model_dir, tmp_path / f"a{r}", r=r,
+                                            target_modules=list(LORA_MODULES), seed=r))
+             for r in (4, 16, 64)}
+    names = [*paths, None]
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(1 + (13 * i) % 60)] for i in range(16)]
+    loras = [names[i % len(names)] for i in range(16)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def run():
+        llm = LLM(str(tiny_model_dir), lora_paths=paths, max_lora_rank=64)
+        return [o.token_ids for o in llm.generate(prompts, params, lora=loras)]
+
+    fused = run()
+    assert any(fused_calls["gemm_expand"]) and any(fused_calls["gemm_lora_decode"])
+    monkeypatch.setattr(CpuKernelLoraBackend, "project", LoraBackend.project)
+    assert run() == fused
