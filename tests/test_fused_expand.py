@@ -67,6 +67,7 @@ def assert_exact(b, seqs, seed, threads=2):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_prefill_segments_fused_equal_gemm_then_lora_op(fused_calls, threads):
     b = CpuKernelLoraBackend(full_pool())
+    b.fuse_prefill = True  # AVX2 builds run the two ops here (slower fused): test it anyway
     assert b.fusable == {"qkv", "o", "gate_up", "down"}  # every test-model width is whole units
     # segments of 17..131 tokens (tile tails of every height), base rows between and at the
     # ends, every adapter (absent modules, layer-dependent ranks, two A tiles)
@@ -90,6 +91,13 @@ def test_decode_batches_fused_equal_gemm_then_lora_op(fused_calls, threads):
     assert not fused_calls["gemm_expand"]
 
 
+def test_long_segments_fuse_where_the_build_is_faster():
+    # AVX-512 builds fuse the expand into the tiles; AVX2 builds run the two ops (measured
+    # slower fused there, gemm_expand_cpu.c)
+    b = CpuKernelLoraBackend(full_pool())
+    assert b.fuse_prefill == (gemm_lora_cpu.unit(EXPAND) == 32)
+
+
 def test_one_decode_token_and_one_adapter(fused_calls):
     b = CpuKernelLoraBackend(full_pool())
     assert_exact(b, [(1, 1)], seed=6)
@@ -101,6 +109,7 @@ def test_below_the_threshold_either_fused_path_is_exact(monkeypatch, fused_calls
     # the threshold is a speed choice: decode shapes through the tile epilogue are exact too
     monkeypatch.setattr(cpu_kernel, "FUSE_MIN_TOKENS", 1)
     b = CpuKernelLoraBackend(full_pool())
+    b.fuse_prefill = True
     assert_exact(b, [(s, 1) for s in range(len(ADAPTERS))], seed=9)
     assert fused_calls["gemm_expand"] and all(fused_calls["gemm_expand"])
 
@@ -113,6 +122,7 @@ def test_a_width_off_the_tile_unit_is_not_fused(fused_calls):
     pool = LoraSlotPool(cfg, 1, 8)
     pool.write(0, make_adapter(1, 8, LORA_MODULES, cfg=cfg))
     b = CpuKernelLoraBackend(pool)
+    b.fuse_prefill = True
     assert b.fusable == {"qkv", "o", "down"}
     for seqs in ([(0, 40)], [(0, 2)]):
         plan = b.plan(seqs)
@@ -155,6 +165,7 @@ def test_engine_tokens_are_the_same_with_the_fused_ops_off(tiny_model_dir, tmp_p
     prompts = [[(7 * i + j) % 500 + 3 for j in range(1 + (13 * i) % 60)] for i in range(16)]
     loras = [names[i % len(names)] for i in range(16)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    monkeypatch.setattr(gemm_lora_cpu, "expand_preferred", lambda lib: True)  # AVX2 too
 
     def run():
         llm = LLM(str(tiny_model_dir), lora_paths=paths, max_lora_rank=64)

@@ -25,6 +25,18 @@
 
 int gemm_expand_unit(void) { return UNIT; }
 
+/* Whether the fused expand beats the GEMM followed by the expand on this build. With AVX-512
+ * (Zen 5) the LoRA ops of a 2048-token step cost 0.58 of the separate ops' time; on imitated
+ * AVX2 1.09: there the GEMM is slower, so moving y costs relatively less, and its 192 KB x
+ * blocks cut segments into more short tiles (benchmarks/fused_lora.py, docs/benchmarks.md). */
+int gemm_expand_preferred(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Whether every part's columns and the strip width are whole units. */
 static int aligned(const int64_t *parts, int64_t npart, int64_t strip) {
     if (strip % UNIT) return 0;
@@ -58,12 +70,16 @@ static const lowrank *epilogue(lowrank *lr, const int64_t *g, const int64_t *p0,
 #define TILE(MR) tile(MR, a, lda, b, K, c, ldc, NR, pf, e, 0, 0)
 #endif
 
-/* rows [r0, r1) of one column unit, all of one segment (e) or of none (e = 0) */
+/* rows [r0, r1) of one column unit, all of one segment (e) or of none (e = 0), in tiles of
+ * near-equal height: segments and x blocks cut rows anywhere, and full tiles with a 1- or
+ * 2-row tail ran the AVX2 build's fused prefill 1.2x slower than the separate ops */
 static void unit_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, const float *b,
                       int64_t K, float *y, int64_t ldy, const lowrank *e0, const float *pf) {
     lowrank l;
-    for (int64_t r = r0; r < r1;) {
-        const int64_t m = r1 - r < TILE_ROWS ? r1 - r : TILE_ROWS;
+    const int64_t ntiles = (r1 - r0 + TILE_ROWS - 1) / TILE_ROWS;
+    for (int64_t r = r0, i = 0; r < r1; i++) {
+        /* tile i of ntiles: the first (rows % ntiles) get one row more */
+        const int64_t m = (r1 - r0) / ntiles + (i < (r1 - r0) % ntiles);
         const float *a = x + r * ldx;
         const int64_t lda = ldx, ldc = ldy;
         float *c = y + r * ldy;
@@ -147,6 +163,7 @@ int gemm_expand(const float *x, int64_t ldx, const float *packed, int64_t M, int
 }
 #else
 int gemm_expand_unit(void) { return 0; }
+int gemm_expand_preferred(void) { return 0; }
 int gemm_expand(const float *x, int64_t ldx, const float *packed, int64_t M, int64_t N,
                 int64_t K, float *y, int64_t ldy, const float *t, int64_t ldt,
                 const float *B, int64_t b_slot, const int64_t *segs, int64_t nseg,

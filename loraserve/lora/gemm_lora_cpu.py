@@ -1,6 +1,6 @@
 """Load and call the base projection fused with the LoRA op, through ctypes:
 - `gemm_expand` (gemm_expand_cpu.c), for prefill-length segments: the expand runs inside the
-  GEMM's register tiles, so y is written once;
+  GEMM's register tiles, so y is written once (used where `expand_preferred`: AVX-512);
 - `gemm_lora_decode` (gemm_lora_decode_cpu.c), for decode steps: shrink and expand interleaved
   with the GEMM, their weights prefetched under its arithmetic.
 
@@ -21,12 +21,14 @@ from loraserve.ops.cbuild import load_library_once
 
 EXPAND_SOURCE = Path(__file__).with_name("gemm_expand_cpu.c")
 DECODE_SOURCE = Path(__file__).with_name("gemm_lora_decode_cpu.c")
-__all__ = ["gemm_expand", "gemm_lora_decode", "load_decode", "load_expand", "unit"]
+__all__ = ["expand_preferred", "gemm_expand", "gemm_lora_decode", "load_decode", "load_expand",
+           "unit"]
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 def _configure_expand(lib: ctypes.CDLL) -> ctypes.CDLL | None:
     lib.gemm_expand.restype = lib.gemm_expand_unit.restype = ctypes.c_int
+    lib.gemm_expand_preferred.restype = ctypes.c_int
     lib.gemm_expand.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64,
                                 _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, ctypes.c_int]
     return lib if lib.gemm_expand_unit() else None
@@ -55,6 +57,12 @@ def load_decode() -> ctypes.CDLL | None:
 def unit(lib: ctypes.CDLL) -> int:
     """Columns per register tile: module widths and the B strip width must be multiples."""
     return lib.gemm_expand_unit()
+
+
+def expand_preferred(lib: ctypes.CDLL) -> bool:
+    """Whether this build's fused expand is faster than the two ops (AVX-512: yes; AVX2: no,
+    see gemm_expand_cpu.c)."""
+    return bool(lib.gemm_expand_preferred())
 
 
 def _check(x: torch.Tensor, *weights: torch.Tensor) -> None:

@@ -4,8 +4,9 @@ one 2048-token prompt; benchmarks/lora_op_micro.py).
 
 Where the projection runs on our GEMM (ops/gemm_cpu.c), `project` fuses the two (lora/
 gemm_lora_cpu.py), with the same results bit for bit: for long segments the expand runs in
-the GEMM's tiles (y is written once); at decode the shrink and expand are interleaved with
-the GEMM, their adapter weights prefetched under its arithmetic."""
+the GEMM's tiles (y is written once; AVX-512 builds only, where it is the faster); at decode
+the shrink and expand are interleaved with the GEMM, their adapter weights prefetched under
+its arithmetic."""
 
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ class CpuKernelLoraBackend(LoraBackend):
         self.expand_lib = gemm_lora_cpu.load_expand() if f32 else None
         self.decode_lib = gemm_lora_cpu.load_decode() if f32 else None
         unit = gemm_lora_cpu.unit(self.expand_lib) if self.expand_lib is not None else 0
+        # long segments: the expand in the GEMM's tiles where that build is the faster one
+        self.fuse_prefill = unit > 0 and gemm_lora_cpu.expand_preferred(self.expand_lib)
         # groups whose every module (and the B strips) are whole tile units wide
         self.fusable = {g for g, lay in weights.layouts.items()
                         if unit and weights.tile_width % unit == 0
@@ -73,14 +76,16 @@ class CpuKernelLoraBackend(LoraBackend):
         segs, parts, max_rank = data
         A, B, tile = self.weights.A[layer][group], self.weights.B[layer][group], \
             self.weights.tile_width
-        if x.shape[0] < FUSE_MIN_TOKENS * segs.shape[0]:
-            y = gemm_lora_cpu.gemm_lora_decode(self.decode_lib, x, panels,
-                                               linear.out_features, A, B, segs, parts,
-                                               max_rank, tile)
-        else:
+        if x.shape[0] >= FUSE_MIN_TOKENS * segs.shape[0]:
+            if not self.fuse_prefill:
+                return super().project(plan, layer, group, x, linear)
             t = sgmv_cpu.shrink(self.kernel, x, A, segs, max_rank, tile)
             y = gemm_lora_cpu.gemm_expand(self.expand_lib, x, panels, linear.out_features, t,
                                           B, segs, parts, tile)
+        else:
+            y = gemm_lora_cpu.gemm_lora_decode(self.decode_lib, x, panels,
+                                               linear.out_features, A, B, segs, parts,
+                                               max_rank, tile)
         return super().project(plan, layer, group, x, linear) if y is None else y
 
     def apply_group(self, plan: KernelPlan, group_A: torch.Tensor, group_B: torch.Tensor,
