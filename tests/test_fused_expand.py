@@ -175,3 +175,30 @@ def test_engine_tokens_are_the_same_with_the_fused_ops_off(tiny_model_dir, tmp_p
     assert any(fused_calls["gemm_expand"]) and any(fused_calls["gemm_lora_decode"])
     monkeypatch.setattr(CpuKernelLoraBackend, "project", LoraBackend.project)
     assert run() == fused
+
+
+@pytest.mark.parametrize("tokens_each", [1, 3, 40])
+def test_wider_model_is_exact(tokens_each, monkeypatch, fused_calls):
+    # wider than the test model: several GEMM column units and B strips per thread, modules
+    # of 2-5 strips, one thread's columns ending inside a module
+    cfg = ModelConfig(vocab_size=32, hidden_size=256, intermediate_size=640,
+                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64)
+    pool = LoraSlotPool(cfg, 5, 64)
+    for s, (r, mods) in enumerate([(8, LORA_MODULES), (64, LORA_MODULES), (16, ("k_proj",)),
+                                   (32, ("gate_proj", "down_proj", "o_proj")),
+                                   (24, ("q_proj", "up_proj"))]):
+        pool.write(s, make_adapter(40 + s, r, mods, cfg=cfg))
+    b = CpuKernelLoraBackend(pool)
+    b.fuse_prefill = True
+    seqs = [(None, 2)] + [(s, tokens_each) for s in (3, 0, 4, 1, 2)] + [(None, 1)]
+    plan = b.plan(seqs)
+    n = sum(k for _, k in seqs)
+    g = torch.Generator().manual_seed(tokens_each)
+    for name, lay in pool.layouts.items():
+        lin = Linear(torch.randn(lay.d_out, lay.d_in, generator=g) / lay.d_in**0.5)
+        x = torch.randn(n, lay.d_in, generator=g)
+        got = b.project(plan, 0, name, x, lin)
+        assert torch.equal(got, LoraBackend.project(b, plan, 0, name, x, lin)), name
+    assert all(fused_calls["gemm_expand"] + fused_calls["gemm_lora_decode"])
+    assert len(fused_calls["gemm_expand"] + fused_calls["gemm_lora_decode"]) == 4

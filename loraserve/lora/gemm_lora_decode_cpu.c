@@ -144,13 +144,13 @@ static void make_plans(plan *pl, int nt, const float *A, int64_t a_slot, int64_t
     }
 }
 
-/* GEMM column units [u, ue) of all M rows, prefetching `floats` of the items from (*wi, *off)
- * on; after each unit, runs the items fully fetched and ready (expands: columns done). */
+/* GEMM column units [u, ue) of all M rows (ulast: the end of this thread's units), while
+ * prefetching `floats` of items[*done..n) spread over the units; after each unit, runs the
+ * items fully fetched and ready (an expand once the GEMM is past its columns). */
 static void gemm_units(int64_t u, int64_t ue, int64_t ulast, const float *x, int64_t ldx,
-                       const float *packed, int64_t M, int64_t N, int64_t K, float *y,
-                       int64_t ldy, const work *items, int64_t n, int64_t *done,
-                       int64_t floats, const float *xl, int64_t d_in, float *t, int64_t ldt,
-                       const int64_t *segs, const int64_t *parts, int64_t strip) {
+                       const float *packed, int64_t M, int64_t K, float *y, int64_t ldy,
+                       const work *items, int64_t n, int64_t *done, int64_t floats, float *t,
+                       int64_t ldt, const int64_t *segs, const int64_t *parts, int64_t strip) {
     const int64_t tiles = (M + TILE_ROWS - 1) / TILE_ROWS, units = ue - u;
     const int64_t per_unit = units > 0 ? (floats + units - 1) / units : 0;
     int64_t wi = *done, off = 0; /* the prefetch cursor: item, floats into it */
@@ -199,9 +199,8 @@ static void gemm_units(int64_t u, int64_t ue, int64_t ulast, const float *x, int
         }
         const int64_t col = (u + 1) * UNIT; /* the GEMM is done left of here */
         while (*done < wi && (items[*done].kind == 0 || items[*done].end <= col))
-            run_work(items + (*done)++, xl, ldx, d_in, t, ldt, y, ldy, segs, parts, strip);
+            run_work(items + (*done)++, x, ldx, K, t, ldt, y, ldy, segs, parts, strip);
     }
-    (void)N;
 }
 
 int gemm_lora_decode(const float *x, int64_t ldx, const float *packed, int64_t M, int64_t N,
@@ -251,14 +250,14 @@ int gemm_lora_decode(const float *x, int64_t ldx, const float *packed, int64_t M
             int64_t ua = me->u0 + (int64_t)((x_end - total_s) / unit_cost + 0.5);
             ua = ua < me->u0 ? me->u0 : ua > me->u1 ? me->u1 : ua;
             int64_t done = 0;
-            gemm_units(me->u0, ua, me->u1, x, ldx, packed, M, N, K, y, ldy, me->shrink,
-                       me->nshrink, &done, total_s, x, K, t, ldt, segs, parts, tile);
+            gemm_units(me->u0, ua, me->u1, x, ldx, packed, M, K, y, ldy, me->shrink,
+                       me->nshrink, &done, total_s, t, ldt, segs, parts, tile);
             while (done < me->nshrink)
                 run_work(me->shrink + done++, x, ldx, K, t, ldt, y, ldy, segs, parts, tile);
 #pragma omp barrier
             done = 0; /* every t row is written: the expands may start */
-            gemm_units(ua, me->u1, me->u1, x, ldx, packed, M, N, K, y, ldy, me->expand,
-                       me->nexpand, &done, total_e, x, K, t, ldt, segs, parts, tile);
+            gemm_units(ua, me->u1, me->u1, x, ldx, packed, M, K, y, ldy, me->expand,
+                       me->nexpand, &done, total_e, t, ldt, segs, parts, tile);
             while (done < me->nexpand)
                 run_work(me->expand + done++, x, ldx, K, t, ldt, y, ldy, segs, parts, tile);
         }
