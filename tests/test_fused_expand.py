@@ -28,15 +28,20 @@ pytestmark = pytest.mark.skipif(EXPAND is None or DECODE is None or gemm_backend
 def fused_calls(monkeypatch):
     """name of each fused entry -> whether each call ran fused (not refused)."""
     calls: dict[str, list[bool]] = {"gemm_expand": [], "gemm_lora_decode": []}
-    for name in calls:
-        real = getattr(gemm_lora_cpu, name)
+    real_expand, real_decode = gemm_lora_cpu.gemm_expand, gemm_lora_cpu.DecodeCall.__call__
 
-        def counting(*a, _real=real, _name=name, **k):
-            out = _real(*a, **k)
-            calls[_name].append(out is not None)
-            return out
+    def expand(*a, **k):
+        out = real_expand(*a, **k)
+        calls["gemm_expand"].append(out is not None)
+        return out
 
-        monkeypatch.setattr(gemm_lora_cpu, name, counting)
+    def decode(*a, **k):
+        out = real_decode(*a, **k)
+        calls["gemm_lora_decode"].append(out is not None)
+        return out
+
+    monkeypatch.setattr(gemm_lora_cpu, "gemm_expand", expand)
+    monkeypatch.setattr(gemm_lora_cpu.DecodeCall, "__call__", decode)
     return calls
 
 

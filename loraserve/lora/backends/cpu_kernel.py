@@ -24,8 +24,9 @@ from loraserve.lora.batch import LoraBatch, SlotWeights
 FUSE_MIN_TOKENS = 16
 
 # The kernel's view of one group: int64 (slot, start, end, rank) rows, int64 (segment, o0,
-# o1, c0, c1, boff) rows, and the widest rank.
-KernelPlan = tuple[torch.Tensor, torch.Tensor, int]
+# o1, c0, c1, boff) rows, the widest rank, and the fused decode call where a decode step takes
+# one (else None).
+KernelPlan = tuple[torch.Tensor, torch.Tensor, int, "gemm_lora_cpu.DecodeCall | None"]
 
 
 class KernelUnavailable(RuntimeError):
@@ -60,9 +61,14 @@ class CpuKernelLoraBackend(LoraBackend):
         parts = [(i, o0, o1, c0, c1, boff) for i, (s, *_) in enumerate(segments)
                  for o0, o1, c0, c1, boff in self.weights.parts(s, group)]
         dev = self.weights.device
-        return (torch.tensor(segments, dtype=torch.int64, device=dev),
-                torch.tensor(parts, dtype=torch.int64, device=dev),
-                max(r for *_, r in segments))
+        segs = torch.tensor(segments, dtype=torch.int64, device=dev)
+        parts_t = torch.tensor(parts, dtype=torch.int64, device=dev)
+        max_rank = max(r for *_, r in segments)
+        decode = None
+        if group in self.fusable and batch.num_tokens < FUSE_MIN_TOKENS * len(segments):
+            decode = gemm_lora_cpu.DecodeCall(self.decode_lib, segs, parts_t, max_rank,
+                                              batch.num_tokens, self.weights.tile_width)
+        return segs, parts_t, max_rank, decode
 
     def project(self, plan: LoraPlan, layer: int, group: str, x: torch.Tensor,
                 linear: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -73,21 +79,19 @@ class CpuKernelLoraBackend(LoraBackend):
             return super().project(plan, layer, group, x, linear)
         if x.stride(-1) != 1:
             x = x.contiguous()
-        segs, parts, max_rank = data
-        A, B, tile = self.weights.A[layer][group], self.weights.B[layer][group], \
-            self.weights.tile_width
-        if x.shape[0] >= FUSE_MIN_TOKENS * segs.shape[0]:
-            if not self.fuse_prefill:
-                return super().project(plan, layer, group, x, linear)
+        segs, parts, max_rank, decode = data
+        A, B = self.weights.A[layer][group], self.weights.B[layer][group]
+        if decode is not None:
+            y = decode(x, panels, linear.out_features, A, B)
+        elif self.fuse_prefill and x.shape[0] >= FUSE_MIN_TOKENS * segs.shape[0]:
+            tile = self.weights.tile_width
             t = sgmv_cpu.shrink(self.kernel, x, A, segs, max_rank, tile)
             y = gemm_lora_cpu.gemm_expand(self.expand_lib, x, panels, linear.out_features, t,
                                           B, segs, parts, tile)
         else:
-            y = gemm_lora_cpu.gemm_lora_decode(self.decode_lib, x, panels,
-                                               linear.out_features, A, B, segs, parts,
-                                               max_rank, tile)
+            return super().project(plan, layer, group, x, linear)
         return super().project(plan, layer, group, x, linear) if y is None else y
 
     def apply_group(self, plan: KernelPlan, group_A: torch.Tensor, group_B: torch.Tensor,
                     x: torch.Tensor, y: torch.Tensor) -> None:
-        sgmv_cpu.sgmv(self.kernel, x, y, group_A, group_B, *plan, self.weights.tile_width)
+        sgmv_cpu.sgmv(self.kernel, x, y, group_A, group_B, *plan[:3], self.weights.tile_width)
