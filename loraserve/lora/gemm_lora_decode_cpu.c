@@ -13,6 +13,9 @@
  * columns and only once its columns' GEMM is done, with the rest. Results are the same, bit
  * for bit, as the GEMM followed by lora_sgmv: the same shrink and expand code, each y element
  * its GEMM sum and then + t[j] * B[j] by FMA in order.
+ *
+ * Measured (benchmarks/fused_lora.py, SmolLM2 shapes, 64 tokens over 16 adapters): the LoRA
+ * ops add 0.73-0.87 of what they add run separately on Zen 5, 0.69 on imitated AVX2.
  */
 #include "../ops/gemm_cpu.c"
 #include "sgmv_cpu.c"
@@ -40,8 +43,9 @@ typedef struct { /* one thread's lists */
     double load; /* GEMM + expands + shrinks, in floats read from memory */
 } plan;
 
-/* A GEMM column's time in floats of LoRA work: at decode both threads' work ran ~M*K/16
- * floats in the time of one column of M rows (Zen 5; benchmarks/fused_lora.py) */
+/* A GEMM column's time in floats of LoRA work, estimated on Zen 5: a column of 64 rows and
+ * K = 576 is ~0.28 us of one core's FMAs, in which a core streams ~2,000 floats of LoRA work
+ * (146 M a step in ~10 ms on two); M * K / 16 = 2,304 */
 static double column_cost(int64_t M, int64_t K) { return (double)M * (double)K / 16.0; }
 
 static void run_work(const work *w, const float *x, int64_t ldx, int64_t d_in, float *t,
