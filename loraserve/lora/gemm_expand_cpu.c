@@ -85,20 +85,7 @@ static void unit_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, const
         float *c = y + r * ldy;
         const lowrank *e = 0;
         if (e0) { l = *e0; l.t += (r - r0) * l.ldt; e = &l; }
-        switch (m) {
-        case 1: TILE(1); break;
-        case 2: TILE(2); break;
-        case 3: TILE(3); break;
-        case 4: TILE(4); break;
-        case 5: TILE(5); break;
-#ifdef __AVX512F__
-        case 6: TILE(6); break;
-        case 7: TILE(7); break;
-        default: TILE(8); break;
-#else
-        default: TILE(6); break;
-#endif
-        }
+        SWITCH_ROWS(m, TILE)
         r += m;
         pf = 0; /* only the first tile fetches the next unit's panels */
     }

@@ -184,20 +184,7 @@ static void gemm_units(int64_t u, int64_t ue, int64_t ulast, const float *x, int
 #else
 #define T_(MR) tile(MR, a, ldx, b, K, c + r * ldy, ldy, NR, pf, 0, ps, lines)
 #endif
-            switch (m) {
-            case 1: T_(1); break;
-            case 2: T_(2); break;
-            case 3: T_(3); break;
-            case 4: T_(4); break;
-            case 5: T_(5); break;
-#ifdef __AVX512F__
-            case 6: T_(6); break;
-            case 7: T_(7); break;
-            default: T_(8); break;
-#else
-            default: T_(6); break;
-#endif
-            }
+            SWITCH_ROWS(m, T_)
 #undef T_
             pf = 0;
         }

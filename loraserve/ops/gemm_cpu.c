@@ -43,6 +43,23 @@ typedef struct {
  * it reads next, so their memory time hides under the tile's FMAs). Into L2: into L1 measured
  * the same, and spreading the lines evenly over K slower (a branch every k). */
 #define STREAM_LINE 16 /* floats per line */
+
+/* T_(MR) for a tile of m rows (1..TILE_ROWS), MR a constant in each branch: for callers that
+ * cut rows into tiles themselves (lora/gemm_expand_cpu.c, lora/gemm_lora_decode_cpu.c) */
+#ifdef __AVX512F__
+#define ROWS_6_UP(T_) case 6: T_(6); break; case 7: T_(7); break; default: T_(8); break;
+#else
+#define ROWS_6_UP(T_) default: T_(6); break;
+#endif
+#define SWITCH_ROWS(m, T_)                                                                 \
+    switch (m) {                                                                           \
+    case 1: T_(1); break;                                                                  \
+    case 2: T_(2); break;                                                                  \
+    case 3: T_(3); break;                                                                  \
+    case 4: T_(4); break;                                                                  \
+    case 5: T_(5); break;                                                                  \
+    ROWS_6_UP(T_)                                                                          \
+    }
 #ifdef __AVX512F__
 #define TILE_ROWS 8 /* rows of a register tile */
 #else
