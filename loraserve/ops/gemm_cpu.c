@@ -104,14 +104,29 @@ static inline __attribute__((always_inline)) void tile(
         int64_t pn) {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-#pragma GCC unroll 4
-    for (int64_t k = 0; k < K; k++) {
-        if (pf) _mm_prefetch((const char *)(pf + k * NR), _MM_HINT_T0);
-        if (k < pn) _mm_prefetch((const char *)(ps + k * STREAM_LINE), _MM_HINT_T1);
-        const __m256 b0 = _mm256_loadu_ps(b + k * NR), b1 = _mm256_loadu_ps(b + k * NR + 8);
-        ROW(0, c00, c01) ROW(1, c10, c11) ROW(2, c20, c21)
+#define KSTEP                                                                              \
+        if (pf) _mm_prefetch((const char *)(pf + k * NR), _MM_HINT_T0);                    \
+        const __m256 b0 = _mm256_loadu_ps(b + k * NR), b1 = _mm256_loadu_ps(b + k * NR + 8); \
+        ROW(0, c00, c01) ROW(1, c10, c11) ROW(2, c20, c21)                                 \
         ROW(3, c30, c31) ROW(4, c40, c41) ROW(5, c50, c51)
+    if (!pn) { /* the plain GEMM (pn is a constant 0 in its callers): one loop */
+#pragma GCC unroll 4
+        for (int64_t k = 0; k < K; k++) {
+            KSTEP
+        }
+    } else { /* the first pn steps also fetch a line of ps each, the rest skip the test */
+        int64_t k = 0;
+#pragma GCC unroll 4
+        for (; k < pn; k++) {
+            _mm_prefetch((const char *)(ps + k * STREAM_LINE), _MM_HINT_T1);
+            KSTEP
+        }
+#pragma GCC unroll 4
+        for (; k < K; k++) {
+            KSTEP
+        }
     }
+#undef KSTEP
     if (lr) { /* the low-rank epilogue: the same FMAs on (t, e) */
         const float *a = lr->t;
         const int64_t lda = lr->ldt;
@@ -169,18 +184,34 @@ static inline __attribute__((always_inline)) void tile512(
     __m512 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     __m512 c60 = c00, c61 = c00, c70 = c00, c71 = c00;
     const float *b1p = b + K * NR;
-#pragma GCC unroll 4
-    for (int64_t k = 0; k < K; k++) {
-        if (pf) {
-            _mm_prefetch((const char *)(pf + k * NR), _MM_HINT_T0);
-            _mm_prefetch((const char *)(pf + K * NR + k * NR), _MM_HINT_T0);
-        }
-        if (k < pn) _mm_prefetch((const char *)(ps + k * STREAM_LINE), _MM_HINT_T1);
-        const __m512 b0 = _mm512_loadu_ps(b + k * NR);
-        const __m512 b1 = NB > 1 ? _mm512_loadu_ps(b1p + k * NR) : b0;
-        ROWZ(0, c00, c01) ROWZ(1, c10, c11) ROWZ(2, c20, c21) ROWZ(3, c30, c31)
+#define KSTEP512                                                                           \
+        if (pf) {                                                                          \
+            _mm_prefetch((const char *)(pf + k * NR), _MM_HINT_T0);                        \
+            _mm_prefetch((const char *)(pf + K * NR + k * NR), _MM_HINT_T0);               \
+        }                                                                                  \
+        const __m512 b0 = _mm512_loadu_ps(b + k * NR);                                     \
+        const __m512 b1 = NB > 1 ? _mm512_loadu_ps(b1p + k * NR) : b0;                     \
+        ROWZ(0, c00, c01) ROWZ(1, c10, c11) ROWZ(2, c20, c21) ROWZ(3, c30, c31)            \
         ROWZ(4, c40, c41) ROWZ(5, c50, c51) ROWZ(6, c60, c61) ROWZ(7, c70, c71)
+    if (!pn) { /* the plain GEMM (pn is a constant 0 in its callers): one loop */
+#pragma GCC unroll 4
+        for (int64_t k = 0; k < K; k++) {
+            KSTEP512
+        }
+    } else { /* the first pn steps also fetch a line of ps each, the rest skip the test:
+              * one loop with `if (k < pn)` cost the decode LoRA op ~1 ms a step more */
+        int64_t k = 0;
+#pragma GCC unroll 4
+        for (; k < pn; k++) {
+            _mm_prefetch((const char *)(ps + k * STREAM_LINE), _MM_HINT_T1);
+            KSTEP512
+        }
+#pragma GCC unroll 4
+        for (; k < K; k++) {
+            KSTEP512
+        }
     }
+#undef KSTEP512
     if (lr) { /* the low-rank epilogue: the same FMAs on (t, e) */
         const float *a = lr->t;
         const int64_t lda = lr->ldt;
