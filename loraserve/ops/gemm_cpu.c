@@ -44,6 +44,21 @@ typedef struct {
  * the same, and spreading the lines evenly over K slower (a branch every k). */
 #define STREAM_LINE 16 /* floats per line */
 
+/* A tile's K loop with body STEP (which reads k). The plain GEMM (pn a constant 0 in its
+ * callers) keeps one loop; with a ps stream the first pn steps fetch a line each and the rest
+ * run without the test (one loop testing `k < pn` cost the decode LoRA op ~1 ms a step). */
+#define K_LOOP(STEP)                                                                       \
+    if (!pn) {                                                                             \
+        _Pragma("GCC unroll 4") for (int64_t k = 0; k < K; k++) { STEP }                   \
+    } else {                                                                               \
+        int64_t k = 0;                                                                     \
+        _Pragma("GCC unroll 4") for (; k < pn; k++) {                                      \
+            _mm_prefetch((const char *)(ps + k * STREAM_LINE), _MM_HINT_T1);               \
+            STEP                                                                           \
+        }                                                                                  \
+        _Pragma("GCC unroll 4") for (; k < K; k++) { STEP }                                \
+    }
+
 /* T_(MR) for a tile of m rows (1..TILE_ROWS), MR a constant in each branch: for callers that
  * cut rows into tiles themselves (lora/gemm_expand_cpu.c, lora/gemm_lora_decode_cpu.c) */
 #ifdef __AVX512F__
@@ -109,23 +124,7 @@ static inline __attribute__((always_inline)) void tile(
         const __m256 b0 = _mm256_loadu_ps(b + k * NR), b1 = _mm256_loadu_ps(b + k * NR + 8); \
         ROW(0, c00, c01) ROW(1, c10, c11) ROW(2, c20, c21)                                 \
         ROW(3, c30, c31) ROW(4, c40, c41) ROW(5, c50, c51)
-    if (!pn) { /* the plain GEMM (pn is a constant 0 in its callers): one loop */
-#pragma GCC unroll 4
-        for (int64_t k = 0; k < K; k++) {
-            KSTEP
-        }
-    } else { /* the first pn steps also fetch a line of ps each, the rest skip the test */
-        int64_t k = 0;
-#pragma GCC unroll 4
-        for (; k < pn; k++) {
-            _mm_prefetch((const char *)(ps + k * STREAM_LINE), _MM_HINT_T1);
-            KSTEP
-        }
-#pragma GCC unroll 4
-        for (; k < K; k++) {
-            KSTEP
-        }
-    }
+    K_LOOP(KSTEP)
 #undef KSTEP
     if (lr) { /* the low-rank epilogue: the same FMAs on (t, e) */
         const float *a = lr->t;
@@ -193,24 +192,7 @@ static inline __attribute__((always_inline)) void tile512(
         const __m512 b1 = NB > 1 ? _mm512_loadu_ps(b1p + k * NR) : b0;                     \
         ROWZ(0, c00, c01) ROWZ(1, c10, c11) ROWZ(2, c20, c21) ROWZ(3, c30, c31)            \
         ROWZ(4, c40, c41) ROWZ(5, c50, c51) ROWZ(6, c60, c61) ROWZ(7, c70, c71)
-    if (!pn) { /* the plain GEMM (pn is a constant 0 in its callers): one loop */
-#pragma GCC unroll 4
-        for (int64_t k = 0; k < K; k++) {
-            KSTEP512
-        }
-    } else { /* the first pn steps also fetch a line of ps each, the rest skip the test:
-              * one loop with `if (k < pn)` cost the decode LoRA op ~1 ms a step more */
-        int64_t k = 0;
-#pragma GCC unroll 4
-        for (; k < pn; k++) {
-            _mm_prefetch((const char *)(ps + k * STREAM_LINE), _MM_HINT_T1);
-            KSTEP512
-        }
-#pragma GCC unroll 4
-        for (; k < K; k++) {
-            KSTEP512
-        }
-    }
+    K_LOOP(KSTEP512)
 #undef KSTEP512
     if (lr) { /* the low-rank epilogue: the same FMAs on (t, e) */
         const float *a = lr->t;
