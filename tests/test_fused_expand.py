@@ -150,8 +150,8 @@ def test_the_c_entries_refuse_a_misaligned_layout():
     parts = torch.tensor([[0, 0, 8, 8, 16, 0]])  # columns 8..16: off the unit and strip grid
     t = torch.zeros(4, 8)
     assert gemm_lora_cpu.gemm_expand(EXPAND, x, panels, 16, t, B, segs, parts, 64) is None
-    assert gemm_lora_cpu.gemm_lora_decode(DECODE, x, panels, 16, A, B, segs, parts, 8,
-                                          64) is None
+    decode = gemm_lora_cpu.DecodeCall(DECODE, segs, parts, 8, 4, 64)
+    assert decode(x, panels, 16, A, B) is None
 
 
 def test_engine_tokens_are_the_same_with_the_fused_ops_off(tiny_model_dir, tmp_path,

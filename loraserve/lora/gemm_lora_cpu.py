@@ -1,8 +1,8 @@
 """Load and call the base projection fused with the LoRA op, through ctypes:
 - `gemm_expand` (gemm_expand_cpu.c), for prefill-length segments: the expand runs inside the
   GEMM's register tiles, so y is written once (used where `expand_preferred`: AVX-512);
-- `gemm_lora_decode` (gemm_lora_decode_cpu.c), for decode steps: shrink and expand interleaved
-  with the GEMM, their weights prefetched under its arithmetic.
+- `DecodeCall` (gemm_lora_decode_cpu.c's `gemm_lora_decode`), for decode steps: shrink and
+  expand interleaved with the GEMM, their weights prefetched under its arithmetic.
 
 Both give the same results, bit for bit, as the projection followed by lora_sgmv. Built once
 each by ops/cbuild.py (float32 adapter weights only); None where they cannot be built or the CPU
@@ -21,8 +21,7 @@ from loraserve.ops.cbuild import load_library_once
 
 EXPAND_SOURCE = Path(__file__).with_name("gemm_expand_cpu.c")
 DECODE_SOURCE = Path(__file__).with_name("gemm_lora_decode_cpu.c")
-__all__ = ["DecodeCall", "expand_preferred", "gemm_expand", "gemm_lora_decode", "load_decode",
-           "load_expand", "unit"]
+__all__ = ["DecodeCall", "expand_preferred", "gemm_expand", "load_decode", "load_expand", "unit"]
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -104,31 +103,12 @@ def gemm_expand(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, d_out: 
     return y if _result(rc, "gemm_expand") else None
 
 
-def gemm_lora_decode(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, d_out: int,
-                     A: torch.Tensor, B: torch.Tensor, segs: torch.Tensor,
-                     parts: torch.Tensor, max_rank: int, strip: int) -> torch.Tensor | None:
-    """x @ W.T plus the LoRA delta of every segment (shrink and expand with the slot pool's
-    A [S, R * d_in] and B [S, block floats]), in a new tensor; None when the layout does not
-    fit (the caller runs the two ops)."""
-    _check(x, A, B)
-    m, k = x.shape
-    ldt = padded_rank(max_rank)
-    t = torch.empty(m, ldt, dtype=torch.float32)
-    y = torch.empty(m, d_out, dtype=torch.float32)
-    rc = lib.gemm_lora_decode(x.data_ptr(), x.stride(0), panels.data_ptr(), m, d_out, k,
-                              y.data_ptr(), d_out, A.data_ptr(), A.stride(0), B.data_ptr(),
-                              B.stride(0), segs.data_ptr(), segs.shape[0], parts.data_ptr(),
-                              parts.shape[0], t.data_ptr(), ldt, strip,
-                              torch.get_num_threads())
-    return y if _result(rc, "gemm_lora_decode") else None
-
-
 class DecodeCall:
     """`gemm_lora_decode` for one group of one step, with what every layer shares made once:
     the segment and part arrays' addresses and the shrink's scratch t (a decode step makes 120
     of these calls; the per-call Python was ~5 us of ~12)."""
 
-    __slots__ = ("fn", "segs", "parts", "t", "args", "strip")
+    __slots__ = ("fn", "segs", "parts", "t", "args")
 
     def __init__(self, lib: ctypes.CDLL, segs: torch.Tensor, parts: torch.Tensor,
                  max_rank: int, num_tokens: int, strip: int) -> None:
@@ -141,8 +121,10 @@ class DecodeCall:
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, d_out: int, A: torch.Tensor,
                  B: torch.Tensor) -> torch.Tensor | None:
-        """As `gemm_lora_decode`; x: float32 [num_tokens, d_in], unit column stride; A, B:
-        the slot pool's float32 tensors of one layer and this group (contiguous)."""
+        """x @ W.T (W packed as ops/gemm.pack_panels) plus the LoRA delta of every segment, in
+        a new tensor; None when the layout does not fit (the caller runs the two ops). x:
+        float32 [num_tokens, d_in], unit column stride; A, B: the slot pool's float32 tensors
+        of one layer and this group (contiguous)."""
         m, k = x.shape
         if x.stride(1) != 1 or x.dtype != torch.float32 or m != self.t.shape[0]:
             raise ValueError(f"gemm_lora_decode takes float32 [{self.t.shape[0]}, d_in] with "

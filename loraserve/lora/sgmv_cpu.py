@@ -77,7 +77,7 @@ def sgmv(lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor, A: torch.Tensor,
 def shrink(lib: ctypes.CDLL, x: torch.Tensor, A: torch.Tensor, segs: torch.Tensor,
            max_rank: int, tile: int) -> torch.Tensor:
     """t = x @ A_s.T for every segment's tokens (rows of other tokens are left unset): the
-    first half of `sgmv`, for lora/gemm_expand_cpu.py to fuse the second into the GEMM."""
+    first half of `sgmv`, for lora/gemm_lora_cpu.py to fuse the second into the GEMM."""
     if x.stride(1) != 1 or not A.is_contiguous():
         raise ValueError("shrink needs a unit column stride and a contiguous A")
     if A.dtype != lib.weight_dtype or x.dtype != torch.float32:

@@ -65,7 +65,8 @@ class CpuKernelLoraBackend(LoraBackend):
         parts_t = torch.tensor(parts, dtype=torch.int64, device=dev)
         max_rank = max(r for *_, r in segments)
         decode = None
-        if group in self.fusable and batch.num_tokens < FUSE_MIN_TOKENS * len(segments):
+        if (group in self.fusable and self.decode_lib is not None
+                and batch.num_tokens < FUSE_MIN_TOKENS * len(segments)):
             decode = gemm_lora_cpu.DecodeCall(self.decode_lib, segs, parts_t, max_rank,
                                               batch.num_tokens, self.weights.tile_width)
         return segs, parts_t, max_rank, decode
