@@ -17,11 +17,7 @@
 #include <stdlib.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
-#ifdef __AVX512F__
-#define UNIT (2 * NR) /* columns per tile: a pair of panels */
-#else
-#define UNIT NR
-#endif
+#define UNIT TILE_COLS /* GEMM columns per register tile */
 
 int gemm_expand_unit(void) { return UNIT; }
 

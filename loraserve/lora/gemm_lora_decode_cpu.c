@@ -25,11 +25,7 @@
 #include <omp.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
-#ifdef __AVX512F__
-#define UNIT (2 * NR) /* GEMM columns per tile: a pair of panels */
-#else
-#define UNIT NR
-#endif
+#define UNIT TILE_COLS /* GEMM columns per register tile */
 #define EXPAND_STRIPS 4 /* strips per expand work item: items finish soon after their columns */
 
 /* One work item and the floats it reads (p, n). kind 0, a shrink: segment `seg`, rank columns

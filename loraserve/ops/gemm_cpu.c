@@ -77,8 +77,10 @@ typedef struct {
     }
 #ifdef __AVX512F__
 #define TILE_ROWS 8 /* rows of a register tile */
+#define TILE_COLS (2 * NR) /* and its columns: a pair of panels */
 #else
 #define TILE_ROWS 6
+#define TILE_COLS NR
 #endif
 /* KB of x rows per block: they stay in L2 while the panels pass (Zen 3: 512 KB of L2; AVX-512
  * hosts have 1-2 MB, where 768 measured 4% faster than 192 at 2048 rows) */
