@@ -148,8 +148,7 @@ def test_the_c_entries_refuse_a_misaligned_layout():
     A, B = torch.zeros(1, 8 * 16), torch.zeros(1, 64)
     segs = torch.tensor([[0, 0, 4, 8]])
     parts = torch.tensor([[0, 0, 8, 8, 16, 0]])  # columns 8..16: off the unit and strip grid
-    t = torch.zeros(4, 8)
-    assert gemm_lora_cpu.gemm_expand(EXPAND, x, panels, 16, t, B, segs, parts, 64) is None
+    assert gemm_lora_cpu.gemm_expand(EXPAND, x, panels, 16, A, B, segs, parts, 8, 64) is None
     decode = gemm_lora_cpu.DecodeCall(DECODE, segs, parts, 8, 4, 64)
     assert decode(x, panels, 16, A, B) is None
 

@@ -1,19 +1,27 @@
-/* A base projection and its LoRA expand in one pass: y = x @ W^T, then for every token of a
- * segment y[tok, cols of module m] += t[tok, o0:o1] @ B_m, with t = x @ A^T already computed
- * (the shrink, lora/sgmv_cpu.c). Each register tile of the GEMM (ops/gemm_cpu.c) goes on over
- * the segment's rank rows before it stores: y is written once instead of written by the GEMM,
- * then read and written again by the expand (at 2048 tokens that traffic is ~2.5 GB a step).
+/* A prefill step's base projection with its whole LoRA op in one parallel region:
+ * y = x @ W^T, then for every token of a segment y[tok, cols of module m] += t[tok, o0:o1] @ B_m,
+ * with t = x @ A^T (the shrink) computed here too.
  *
- * Same results, bit for bit, as the GEMM followed by lora_sgmv's expand: every y element is
- * its GEMM sum, then + t[j] * B[j] by FMA for j = o0.. in order, in both.
+ * Why: rows go in x blocks that stay in L2 while the GEMM's panels pass (ops/gemm_cpu.c). The
+ * shrink of a block's rows runs first, from that L2 copy: run on its own it read x from memory
+ * once more, and for ranks 8-16 that read was its whole cost (x at ~25 GB/s: 100 GF/s at rank
+ * 8). Then each register tile of the GEMM goes on over its segment's rank rows before it stores
+ * (the expand): y is written once instead of written by the GEMM, then read and written again
+ * by the expand (at 2048 tokens that traffic is ~2.5 GB a step).
+ *
+ * Same results, bit for bit, as the GEMM followed by lora_sgmv: t by lora/sgmv_cpu.c's own
+ * shrink code (each token's sums do not depend on which rows run together), and every y element
+ * is its GEMM sum, then + t[j] * B[j] by FMA for j = o0.. in order, in both.
  *
  * Row tiles never straddle a segment (each tile has one adapter); the column unit of a tile
  * (16 columns with AVX2, 32 with AVX-512) must lie inside one module and one B strip, so
  * every module's columns and the strip width must be multiples of it: gemm_expand_supported()
  * says whether a layout qualifies (returns -3 otherwise; the caller then runs the two ops).
- * B's layout is lora/sgmv_cpu.c's: a module's [r, n] block as `strip`-column strips.
+ * A and B are lora/sgmv_cpu.c's layout: A.T as `strip`-column tiles, a module's [r, n] block of
+ * B as `strip`-column strips.
  */
 #include "../ops/gemm_cpu.c"
+#include "sgmv_cpu.c"
 #include <stdlib.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -21,10 +29,11 @@
 
 int gemm_expand_unit(void) { return UNIT; }
 
-/* Whether the fused expand beats the GEMM followed by the expand on this build. With AVX-512
- * (Zen 5) the LoRA ops of a 2048-token step cost 0.58 of the separate ops' time; on imitated
- * AVX2 1.09: there the GEMM is slower, so moving y costs relatively less, and its 192 KB x
- * blocks cut segments into more short tiles (benchmarks/fused_lora.py, docs/benchmarks.md). */
+/* Whether this beats the GEMM followed by lora_sgmv on this build. With AVX-512 (Zen 5) the
+ * LoRA ops of a 2048-token step cost 0.56-0.6 of the separate ops' time; on imitated AVX2
+ * 1.12: there the GEMM is slower, so moving y costs relatively less, and its 192 KB x blocks
+ * (32 rows at K = 1536) cut segments into short tiles and the shrink into small phases, one
+ * barrier each (benchmarks/fused_lora.py, docs/benchmarks.md). */
 int gemm_expand_preferred(void) {
 #ifdef __AVX512F__
     return 1;
@@ -88,21 +97,67 @@ static void unit_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, const
 }
 #undef TILE
 
+/* Rows of a shrink work item: a multiple of the shrink's 6-token chunks, and short enough
+ * that a block's items keep both threads busy whatever the mix of ranks */
+#define SHRINK_ROWS 48
+
+/* One shrink work item: t[r0:r1, c0:c0+w] = x[r0:r1] @ at (one A tile of one segment). */
+typedef struct {
+    const float *at;
+    int64_t c0, w, r0, r1;
+} shrink_item;
+
+/* The shrink items of x block [m0, m1) into out (when not null); returns their number. */
+static int64_t block_shrinks(int64_t m0, int64_t m1, const float *A, int64_t a_slot,
+                             int64_t K, const int64_t *segs, int64_t nseg, int64_t strip,
+                             shrink_item *out) {
+    int64_t n = 0;
+    for (int64_t s = 0; s < nseg; s++) {
+        const int64_t *g = segs + 4 * s, rpad = pad8(g[3]);
+        const int64_t r0 = g[1] > m0 ? g[1] : m0, r1 = g[2] < m1 ? g[2] : m1;
+        for (int64_t c0 = 0; r0 < r1 && c0 < rpad; c0 += strip)
+            for (int64_t a = r0; a < r1; a += SHRINK_ROWS, n++)
+                if (out)
+                    out[n] = (shrink_item){A + g[0] * a_slot + c0 * K, c0,
+                                           rpad - c0 < strip ? rpad - c0 : strip, a,
+                                           a + SHRINK_ROWS < r1 ? a + SHRINK_ROWS : r1};
+    }
+    return n;
+}
+
 int gemm_expand(const float *x, int64_t ldx, const float *packed, int64_t M, int64_t N,
-                int64_t K, float *y, int64_t ldy, const float *t, int64_t ldt,
-                const float *B, int64_t b_slot, const int64_t *segs, int64_t nseg,
+                int64_t K, float *y, int64_t ldy, const float *A, int64_t a_slot, float *t,
+                int64_t ldt, const float *B, int64_t b_slot, const int64_t *segs, int64_t nseg,
                 const int64_t *parts, int64_t npart, int64_t strip, int nthreads) {
-    if (N % UNIT || !aligned(parts, npart, strip)) return -3;
+    if (N % UNIT || !aligned(parts, npart, strip) || !lora_accepts_tile(strip)) return -3;
     for (int64_t s = 0; s < nseg; s++) { /* segments in token order, inside [0, M) */
         const int64_t *g = segs + 4 * s;
         if (g[1] > g[2] || g[2] > M || (s && g[1] < segs[4 * s - 2])) return -1;
+        if (pad8(g[3]) > ldt) return -1;
     }
     for (int64_t p = 0; p < npart; p++) /* parts in segment order, as plan_group makes them */
         if (parts[6 * p] < 0 || parts[6 * p] >= nseg || (p && parts[6 * p] < parts[6 * p - 6]))
             return -1;
-    /* runs of rows: (first row, end, segment or -1), covering [0, M) */
-    int64_t *runs = malloc((2 * nseg + 1) * 3 * sizeof *runs), *pstart = malloc((nseg + 1) * sizeof *pstart);
-    if (!runs || !pstart) { free(runs); free(pstart); return -2; }
+    /* x rows per block, as gemm_packed: the block stays in L2 while the panels pass */
+    int64_t mc = (GEMM_XBLOCK * 1024 / 4) / K;
+    if (mc < TILE_ROWS) mc = TILE_ROWS;
+    const int64_t blocks = (M + mc - 1) / mc, units = N / UNIT;
+    mc = ((M + blocks - 1) / blocks + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+    /* runs of rows: (first row, end, segment or -1), covering [0, M); shrink items by block */
+    int64_t *runs = malloc((2 * nseg + 1) * 3 * sizeof *runs);
+    int64_t *pstart = malloc((nseg + 1) * sizeof *pstart), *bstart = malloc((blocks + 1) * sizeof *bstart);
+    int64_t nitems = 0;
+    for (int64_t b = 0; b < blocks; b++)
+        nitems += block_shrinks(b * mc, b * mc + mc, A, a_slot, K, segs, nseg, strip, 0);
+    shrink_item *items = malloc((nitems + 1) * sizeof *items);
+    if (!runs || !pstart || !bstart || !items) {
+        free(runs), free(pstart), free(bstart), free(items);
+        return -2;
+    }
+    bstart[0] = 0;
+    for (int64_t b = 0; b < blocks; b++)
+        bstart[b + 1] = bstart[b] + block_shrinks(b * mc, b * mc + mc, A, a_slot, K, segs,
+                                                  nseg, strip, items + bstart[b]);
     int64_t nrun = 0, row = 0;
     for (int64_t s = 0; s <= nseg; s++) {
         const int64_t start = s < nseg ? segs[4 * s + 1] : M;
@@ -114,18 +169,20 @@ int gemm_expand(const float *x, int64_t ldx, const float *packed, int64_t M, int
         while (p < npart && parts[6 * p] < s) p++;
         pstart[s] = p;
     }
-    /* x rows per block, as gemm_packed: the block stays in L2 while the panels pass */
-    int64_t mc = (GEMM_XBLOCK * 1024 / 4) / K;
-    if (mc < TILE_ROWS) mc = TILE_ROWS;
-    const int64_t blocks = (M + mc - 1) / mc, units = N / UNIT;
-    mc = ((M + blocks - 1) / blocks + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
-    for (int64_t m0 = 0; m0 < M; m0 += mc) {
-        const int64_t m1 = M - m0 < mc ? M : m0 + mc;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel num_threads(nthreads)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t m0 = b * mc, m1 = M - m0 < mc ? M : m0 + mc;
+        /* the block's shrinks; the barrier at the end: its t rows are complete */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = bstart[b]; i < bstart[b + 1]; i++)
+            shrink_tokens(x, ldx, items[i].at, K, items[i].w, items[i].r0, items[i].r1,
+                          t + items[i].c0, ldt);
+        /* no barrier after the GEMM: the next block's shrinks write other rows of t */
+#pragma omp for schedule(static) nowait
         for (int64_t u = 0; u < units; u++) {
             const int64_t cb = u * UNIT;
-            const float *b = packed + cb * K; /* this unit's panels: UNIT / NR of them */
-            const float *pf = m1 - m0 > TILE_ROWS && u + 1 < units ? b + UNIT * K : 0;
+            const float *bp = packed + cb * K; /* this unit's panels: UNIT / NR of them */
+            const float *pf = m1 - m0 > TILE_ROWS && u + 1 < units ? bp + UNIT * K : 0;
             for (int64_t i = 0; i < nrun; i++) {
                 const int64_t *rn = runs + 3 * i;
                 const int64_t r0 = rn[0] > m0 ? rn[0] : m0, r1 = rn[1] < m1 ? rn[1] : m1;
@@ -135,23 +192,23 @@ int gemm_expand(const float *x, int64_t ldx, const float *packed, int64_t M, int
                 if (rn[2] >= 0)
                     e = epilogue(&l, segs + 4 * rn[2], parts + 6 * pstart[rn[2]],
                                  parts + 6 * pstart[rn[2] + 1], cb, r0, t, ldt, B, b_slot, strip);
-                unit_rows(x, ldx, r0, r1, b, K, y + cb, ldy, e, pf);
+                unit_rows(x, ldx, r0, r1, bp, K, y + cb, ldy, e, pf);
                 pf = 0;
             }
         }
     }
-    free(runs);
-    free(pstart);
+    free(runs), free(pstart), free(bstart), free(items);
     return 0;
 }
 #else
 int gemm_expand_unit(void) { return 0; }
 int gemm_expand_preferred(void) { return 0; }
 int gemm_expand(const float *x, int64_t ldx, const float *packed, int64_t M, int64_t N,
-                int64_t K, float *y, int64_t ldy, const float *t, int64_t ldt,
-                const float *B, int64_t b_slot, const int64_t *segs, int64_t nseg,
+                int64_t K, float *y, int64_t ldy, const float *A, int64_t a_slot, float *t,
+                int64_t ldt, const float *B, int64_t b_slot, const int64_t *segs, int64_t nseg,
                 const int64_t *parts, int64_t npart, int64_t strip, int nthreads) {
     (void)x; (void)ldx; (void)packed; (void)M; (void)N; (void)K; (void)y; (void)ldy; (void)t;
+    (void)A; (void)a_slot;
     (void)ldt; (void)B; (void)b_slot; (void)segs; (void)nseg; (void)parts; (void)npart;
     (void)strip; (void)nthreads;
     return -3;

@@ -1,6 +1,7 @@
 """Load and call the base projection fused with the LoRA op, through ctypes:
-- `gemm_expand` (gemm_expand_cpu.c), for prefill-length segments: the expand runs inside the
-  GEMM's register tiles, so y is written once (used where `expand_preferred`: AVX-512);
+- `gemm_expand` (gemm_expand_cpu.c), for prefill-length segments: the shrink of each x block
+  runs while the block is in L2 for the GEMM, and the expand inside the GEMM's register tiles,
+  so y is written once (used where `expand_preferred`);
 - `DecodeCall` (gemm_lora_decode_cpu.c's `gemm_lora_decode`), for decode steps: shrink and
   expand interleaved with the GEMM, their weights prefetched under its arithmetic.
 
@@ -29,7 +30,8 @@ def _configure_expand(lib: ctypes.CDLL) -> ctypes.CDLL | None:
     lib.gemm_expand.restype = lib.gemm_expand_unit.restype = ctypes.c_int
     lib.gemm_expand_preferred.restype = ctypes.c_int
     lib.gemm_expand.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64,
-                                _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, ctypes.c_int]
+                                _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64,
+                                ctypes.c_int]
     return lib if lib.gemm_expand_unit() else None
 
 
@@ -83,23 +85,24 @@ def _result(rc: int, what: str) -> bool:
 
 
 def gemm_expand(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, d_out: int,
-                t: torch.Tensor, B: torch.Tensor, segs: torch.Tensor, parts: torch.Tensor,
-                strip: int) -> torch.Tensor | None:
-    """x @ W.T (W packed as ops/gemm.pack_panels) plus every segment's t @ B, in a new
-    tensor; None when the layout does not fit the tiles (the caller runs the two ops).
+                A: torch.Tensor, B: torch.Tensor, segs: torch.Tensor, parts: torch.Tensor,
+                max_rank: int, strip: int) -> torch.Tensor | None:
+    """x @ W.T (W packed as ops/gemm.pack_panels) plus every segment's LoRA delta
+    (x @ A_s.T) @ B_s, in a new tensor; None when the layout does not fit the tiles (the caller
+    runs the two ops).
 
-    x: float32 [T, d_in]; t: [T, ldt] from the LoRA shrink; B: the slot pool's [S, block
-    floats]; segs int64 [n, 4] (slot, start, end, rank) in token order; parts int64 [m, 6]
-    (seg, o0, o1, c0, c1, boff) in segment order."""
-    _check(x, B)
-    if t.stride(1) != 1:
-        raise ValueError("gemm_expand needs t with unit column stride")
+    x: float32 [T, d_in], unit column stride; A, B: the slot pool's [S, floats] tensors of one
+    layer and group; segs int64 [n, 4] (slot, start, end, rank) in token order; parts int64
+    [m, 6] (seg, o0, o1, c0, c1, boff) in segment order; strip: the pool's tile width."""
+    _check(x, A, B)
     m, k = x.shape
+    ldt = padded_rank(max_rank)
+    t = torch.empty(m, ldt, dtype=torch.float32)  # the shrink's scratch
     y = torch.empty(m, d_out, dtype=torch.float32)
     rc = lib.gemm_expand(x.data_ptr(), x.stride(0), panels.data_ptr(), m, d_out, k,
-                         y.data_ptr(), d_out, t.data_ptr(), t.stride(0), B.data_ptr(),
-                         B.stride(0), segs.data_ptr(), segs.shape[0], parts.data_ptr(),
-                         parts.shape[0], strip, torch.get_num_threads())
+                         y.data_ptr(), d_out, A.data_ptr(), A.stride(0), t.data_ptr(), ldt,
+                         B.data_ptr(), B.stride(0), segs.data_ptr(), segs.shape[0],
+                         parts.data_ptr(), parts.shape[0], strip, torch.get_num_threads())
     return y if _result(rc, "gemm_expand") else None
 
 

@@ -18,7 +18,7 @@ from loraserve.lora.layout import padded_rank
 from loraserve.ops.cbuild import CFLAGS, load_library
 
 SOURCE = Path(__file__).with_name("sgmv_cpu.c")
-__all__ = ["CFLAGS", "SOURCE", "accepts_tile", "load", "preferred_tile", "sgmv", "shrink"]
+__all__ = ["CFLAGS", "SOURCE", "accepts_tile", "load", "preferred_tile", "sgmv"]
 
 # adapter weight dtype -> extra compiler flags of its build (the kernel widens bf16 on load)
 WEIGHT_FLAGS = {torch.float32: [], torch.bfloat16: ["-DLORA_BF16"]}
@@ -71,29 +71,9 @@ def sgmv(lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor, A: torch.Tensor,
     if not A.dtype == B.dtype == lib.weight_dtype or x.dtype != torch.float32:
         raise ValueError(f"kernel for {lib.weight_dtype} weights got A {A.dtype}, B {B.dtype}, "
                          f"x {x.dtype}")
-    _call(lib, x, y, A, B, segs, parts, max_rank, tile)
-
-
-def shrink(lib: ctypes.CDLL, x: torch.Tensor, A: torch.Tensor, segs: torch.Tensor,
-           max_rank: int, tile: int) -> torch.Tensor:
-    """t = x @ A_s.T for every segment's tokens (rows of other tokens are left unset): the
-    first half of `sgmv`, for lora/gemm_lora_cpu.py to fuse the second into the GEMM."""
-    if x.stride(1) != 1 or not A.is_contiguous():
-        raise ValueError("shrink needs a unit column stride and a contiguous A")
-    if A.dtype != lib.weight_dtype or x.dtype != torch.float32:
-        raise ValueError(f"kernel for {lib.weight_dtype} weights got A {A.dtype}, x {x.dtype}")
-    no_parts = segs.new_empty(0, 6)
-    return _call(lib, x, None, A, A, segs, no_parts, max_rank, tile)
-
-
-def _call(lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor | None, A: torch.Tensor,
-          B: torch.Tensor, segs: torch.Tensor, parts: torch.Tensor, max_rank: int,
-          tile: int) -> torch.Tensor:
-    """lora_sgmv; returns its scratch t (the segments' shrink results)."""
     ldt = padded_rank(max_rank)  # the kernel writes t in whole 8- and 16-float vectors
     t = torch.empty(x.shape[0], ldt, dtype=torch.float32, device=x.device)
-    y_ptr, ldy = (None, 0) if y is None else (y.data_ptr(), y.stride(0))
-    rc = lib.lora_sgmv(x.data_ptr(), x.stride(0), y_ptr, ldy,
+    rc = lib.lora_sgmv(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0),
                        A.data_ptr(), A.stride(0), x.shape[1], B.data_ptr(), B.stride(0),
                        segs.data_ptr(), segs.shape[0], parts.data_ptr(),
                        parts.shape[0], t.data_ptr(), ldt, tile, torch.get_num_threads())
@@ -103,4 +83,3 @@ def _call(lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor | None, A: torch.Te
         raise ValueError(f"this build of the LoRA kernel cannot read tiles {tile} wide")
     if rc != 0:
         raise MemoryError("the LoRA kernel could not allocate its work lists")
-    return t

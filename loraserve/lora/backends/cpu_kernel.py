@@ -85,10 +85,8 @@ class CpuKernelLoraBackend(LoraBackend):
         if decode is not None:
             y = decode(x, panels, linear.out_features, A, B)
         elif self.fuse_prefill and x.shape[0] >= FUSE_MIN_TOKENS * segs.shape[0]:
-            tile = self.weights.tile_width
-            t = sgmv_cpu.shrink(self.kernel, x, A, segs, max_rank, tile)
-            y = gemm_lora_cpu.gemm_expand(self.expand_lib, x, panels, linear.out_features, t,
-                                          B, segs, parts, tile)
+            y = gemm_lora_cpu.gemm_expand(self.expand_lib, x, panels, linear.out_features, A,
+                                          B, segs, parts, max_rank, self.weights.tile_width)
         else:
             return super().project(plan, layer, group, x, linear)
         return super().project(plan, layer, group, x, linear) if y is None else y
