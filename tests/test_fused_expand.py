@@ -96,6 +96,23 @@ def test_decode_batches_fused_equal_gemm_then_lora_op(fused_calls, threads):
     assert not fused_calls["gemm_expand"]
 
 
+def test_one_decode_plan_serves_every_layer_whatever_the_thread_count(fused_calls):
+    # the C side makes its work plan at a step's first call of a group and reuses it for the
+    # other layers; a call with another thread count gets a new plan, and stays exact
+    b = CpuKernelLoraBackend(full_pool())
+    seqs = [(s, 1 + s % 3) for s in range(len(ADAPTERS))] + [(None, 2)]
+    before = torch.get_num_threads()
+    threads = iter([2, 1, 3, 2, 2, 1, 3, 3])
+    try:
+        for name, fused, separate in both_ways(b, seqs, seed=8):
+            assert torch.equal(fused, separate), name
+            torch.set_num_threads(next(threads, 2))
+    finally:
+        torch.set_num_threads(before)
+    assert len(fused_calls["gemm_lora_decode"]) == 4 * CFG.num_hidden_layers
+    assert all(fused_calls["gemm_lora_decode"])
+
+
 def test_long_segments_fuse_where_the_build_is_faster():
     # AVX-512 builds fuse the expand into the tiles; AVX2 builds run the two ops (measured
     # slower fused there, gemm_expand_cpu.c)

@@ -70,9 +70,9 @@ static const lowrank *epilogue(lowrank *lr, const int64_t *g, const int64_t *p0,
 }
 
 #ifdef __AVX512F__
-#define TILE(MR) tile512(MR, 2, a, lda, b, K, c, ldc, NR, pf, e, 0, 0)
+#define TILE(MR) tile512(MR, 2, a, lda, b, K, c, ldc, NR, pf, e, 0)
 #else
-#define TILE(MR) tile(MR, a, lda, b, K, c, ldc, NR, pf, e, 0, 0)
+#define TILE(MR) tile(MR, a, lda, b, K, c, ldc, NR, pf, e, 0)
 #endif
 
 /* rows [r0, r1) of one column unit, all of one segment (e) or of none (e = 0), in tiles of

@@ -13,6 +13,7 @@ lacks AVX2 + FMA, and the LoRA backend then runs the two ops one after the other
 from __future__ import annotations
 
 import ctypes
+import weakref
 from pathlib import Path
 
 import torch
@@ -39,7 +40,9 @@ def _configure_decode(lib: ctypes.CDLL) -> ctypes.CDLL | None:
     lib.gemm_lora_decode.restype = ctypes.c_int
     lib.gemm_lora_decode.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr,
                                      _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64,
-                                     _i64, ctypes.c_int]
+                                     _i64, ctypes.c_int, ctypes.POINTER(_ptr)]
+    lib.gemm_lora_decode_free.restype = None
+    lib.gemm_lora_decode_free.argtypes = [_ptr]
     return lib
 
 
@@ -108,10 +111,11 @@ def gemm_expand(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, d_out: 
 
 class DecodeCall:
     """`gemm_lora_decode` for one group of one step, with what every layer shares made once:
-    the segment and part arrays' addresses and the shrink's scratch t (a decode step makes 120
-    of these calls; the per-call Python was ~5 us of ~12)."""
+    the segment and part arrays' addresses, the shrink's scratch t, and the C side's work plan
+    (made by the first call, freed with this object). A decode step makes 120 of these calls;
+    the per-call Python was ~5 us of ~12. Not for two threads at once (nor is a step)."""
 
-    __slots__ = ("fn", "segs", "parts", "t", "args")
+    __slots__ = ("fn", "segs", "parts", "t", "args", "plan", "__weakref__")
 
     def __init__(self, lib: ctypes.CDLL, segs: torch.Tensor, parts: torch.Tensor,
                  max_rank: int, num_tokens: int, strip: int) -> None:
@@ -119,6 +123,8 @@ class DecodeCall:
         self.segs, self.parts = segs, parts  # kept alive: C reads them by address
         ldt = padded_rank(max_rank)
         self.t = torch.empty(num_tokens, ldt, dtype=torch.float32)
+        self.plan = _ptr()
+        weakref.finalize(self, lib.gemm_lora_decode_free, self.plan)
         self.args = (segs.data_ptr(), segs.shape[0], parts.data_ptr(), parts.shape[0],
                      self.t.data_ptr(), ldt, strip)
 
@@ -135,5 +141,5 @@ class DecodeCall:
         y = torch.empty(m, d_out, dtype=torch.float32)
         rc = self.fn(x.data_ptr(), x.stride(0), panels.data_ptr(), m, d_out, k, y.data_ptr(),
                      d_out, A.data_ptr(), A.stride(0), B.data_ptr(), B.stride(0), *self.args,
-                     torch.get_num_threads())
+                     torch.get_num_threads(), ctypes.byref(self.plan))
         return y if _result(rc, "gemm_lora_decode") else None

@@ -38,22 +38,33 @@ typedef struct {
     int64_t lde, nj;
 } lowrank;
 
-/* Another stream to fetch while a tile computes: one 64-byte line of ps per k step, for
- * k < pn (the interleaved decode LoRA, lora/gemm_lora_decode_cpu.c, fetches adapter weights
- * it reads next, so their memory time hides under the tile's FMAs). Into L2: into L1 measured
- * the same, and spreading the lines evenly over K slower (a branch every k). */
+/* Other streams to fetch while a tile computes: one 64-byte line per k step, of p[0] for
+ * k < n[0], then of p[1] for the next n[1] steps (the interleaved decode LoRA, lora/
+ * gemm_lora_decode_cpu.c, fetches adapter weights it reads next, so their memory time hides
+ * under the tile's FMAs; two streams, as a short work item may end before the tile's share).
+ * Into L2: into L1 measured the same, and spreading the lines evenly over K slower. */
 #define STREAM_LINE 16 /* floats per line */
+typedef struct {
+    const float *p[2];
+    int64_t n[2];
+} fetch;
 
-/* A tile's K loop with body STEP (which reads k). The plain GEMM (pn a constant 0 in its
- * callers) keeps one loop; with a ps stream the first pn steps fetch a line each and the rest
- * run without the test (one loop testing `k < pn` cost the decode LoRA op ~1 ms a step). */
+/* A tile's K loop with body STEP (which reads k). The plain GEMM (fs a constant 0 in its
+ * callers) keeps one loop; with streams the first steps fetch a line each and the rest run
+ * without the test (one loop testing `k < pn` cost the decode LoRA op ~1 ms a step). */
 #define K_LOOP(STEP)                                                                       \
-    if (!pn) {                                                                             \
+    if (!fs) {                                                                             \
         _Pragma("GCC unroll 4") for (int64_t k = 0; k < K; k++) { STEP }                   \
     } else {                                                                               \
         int64_t k = 0;                                                                     \
-        _Pragma("GCC unroll 4") for (; k < pn; k++) {                                      \
-            _mm_prefetch((const char *)(ps + k * STREAM_LINE), _MM_HINT_T1);               \
+        const int64_t n0 = fs->n[0], n1 = n0 + fs->n[1];                                   \
+        const float *p0 = fs->p[0], *p1 = fs->p[1];                                        \
+        _Pragma("GCC unroll 4") for (; k < n0; k++) {                                      \
+            _mm_prefetch((const char *)(p0 + k * STREAM_LINE), _MM_HINT_T1);               \
+            STEP                                                                           \
+        }                                                                                  \
+        _Pragma("GCC unroll 4") for (; k < n1; k++) {                                      \
+            _mm_prefetch((const char *)(p1 + (k - n0) * STREAM_LINE), _MM_HINT_T1);        \
             STEP                                                                           \
         }                                                                                  \
         _Pragma("GCC unroll 4") for (; k < K; k++) { STEP }                                \
@@ -117,8 +128,7 @@ void gemm_pack(const float *w, int64_t ldw, int64_t N, int64_t K, float *out) {
     }
 static inline __attribute__((always_inline)) void tile(
         const int MR, const float *a, int64_t lda, const float *b, int64_t K, float *c,
-        int64_t ldc, int64_t cols, const float *pf, const lowrank *lr, const float *ps,
-        int64_t pn) {
+        int64_t ldc, int64_t cols, const float *pf, const lowrank *lr, const fetch *fs) {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
 #define KSTEP                                                                              \
@@ -156,13 +166,13 @@ static void rows_of_panel(const float *a, int64_t lda, int64_t m, const float *b
     /* With more than one tile of rows, the first fetches the next panel (a line per k) while
      * it reads this one (batch 1 measured faster without: one stream) */
     const float *pf = m > 6 && next_panel ? b + K * NR : 0;
-    for (; r + 6 <= m; r += 6, pf = 0) tile(6, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0);
+    for (; r + 6 <= m; r += 6, pf = 0) tile(6, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0);
     switch (m - r) {
-    case 5: tile(5, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0); break;
-    case 4: tile(4, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0); break;
-    case 3: tile(3, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0); break;
-    case 2: tile(2, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0); break;
-    case 1: tile(1, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0); break;
+    case 5: tile(5, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0); break;
+    case 4: tile(4, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0); break;
+    case 3: tile(3, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0); break;
+    case 2: tile(2, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0); break;
+    case 1: tile(1, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0); break;
     default: break;
     }
 }
@@ -180,7 +190,7 @@ static void rows_of_panel(const float *a, int64_t lda, int64_t m, const float *b
 static inline __attribute__((always_inline)) void tile512(
         const int MR, const int NB, const float *a, int64_t lda, const float *b, int64_t K,
         float *c, int64_t ldc, int64_t cols, const float *pf, const lowrank *lr,
-        const float *ps, int64_t pn) {
+        const fetch *fs) {
     __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m512 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     __m512 c60 = c00, c61 = c00, c70 = c00, c71 = c00;
@@ -222,15 +232,15 @@ static inline __attribute__((always_inline)) void tile512(
 
 #define TILES512(NB)                                                                       \
     for (; r + 8 <= m; r += 8, pf = 0)                                                     \
-        tile512(8, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0);                \
+        tile512(8, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0);                \
     switch (m - r) {                                                                       \
-    case 7: tile512(7, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0); break;     \
-    case 6: tile512(6, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0); break;     \
-    case 5: tile512(5, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0); break;     \
-    case 4: tile512(4, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0); break;     \
-    case 3: tile512(3, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0); break;     \
-    case 2: tile512(2, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0); break;     \
-    case 1: tile512(1, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0, 0); break;     \
+    case 7: tile512(7, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0); break;     \
+    case 6: tile512(6, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0); break;     \
+    case 5: tile512(5, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0); break;     \
+    case 4: tile512(4, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0); break;     \
+    case 3: tile512(3, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0); break;     \
+    case 2: tile512(2, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0); break;     \
+    case 1: tile512(1, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf, 0, 0); break;     \
     default: break;                                                                        \
     }
 
