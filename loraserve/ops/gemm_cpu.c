@@ -38,36 +38,48 @@ typedef struct {
     int64_t lde, nj;
 } lowrank;
 
-/* Other streams to fetch while a tile computes: one 64-byte line per k step, of p[0] for
- * k < n[0], then of p[1] for the next n[1] steps (the interleaved decode LoRA, lora/
- * gemm_lora_decode_cpu.c, fetches adapter weights it reads next, so their memory time hides
- * under the tile's FMAs; two streams, as a short work item may end before the tile's share).
- * Into L2: into L1 measured the same, and spreading the lines evenly over K slower. */
+/* Other streams to fetch while a tile computes: n[0] 64-byte lines of p[0], then n[1] of p[1],
+ * one line every S k steps, S = 4, 2 or 1, the widest that fits them all in K (the interleaved
+ * decode LoRA, lora/gemm_lora_decode_cpu.c, fetches adapter weights it reads next, so their
+ * memory time hides under the tile's FMAs; two streams, as a short work item may end before
+ * the tile's share). Into L2: into L1 measured the same. One line per k step, all at the start
+ * of K, cost the decode LoRA op 0.5 ms a step more (benchmarks/fused_lora.py, an A/B). */
 #define STREAM_LINE 16 /* floats per line */
 typedef struct {
     const float *p[2];
     int64_t n[2];
 } fetch;
 
+#define K_STRIDED(S, ...) /* the body: __VA_ARGS__ (STEP may hold commas) */               \
+    {                                                                                      \
+        int64_t k = 0;                                                                     \
+        const int64_t e0 = fs->n[0] * S, e1 = e0 + fs->n[1] * S;                           \
+        const float *p0 = fs->p[0], *p1 = fs->p[1];                                        \
+        for (; k < e0;) {                                                                  \
+            _mm_prefetch((const char *)p0, _MM_HINT_T1);                                   \
+            p0 += STREAM_LINE;                                                             \
+            for (int s_ = 0; s_ < S; s_++, k++) { __VA_ARGS__ }                            \
+        }                                                                                  \
+        for (; k < e1;) {                                                                  \
+            _mm_prefetch((const char *)p1, _MM_HINT_T1);                                   \
+            p1 += STREAM_LINE;                                                             \
+            for (int s_ = 0; s_ < S; s_++, k++) { __VA_ARGS__ }                            \
+        }                                                                                  \
+        _Pragma("GCC unroll 4") for (; k < K; k++) { __VA_ARGS__ }                         \
+    }
+
 /* A tile's K loop with body STEP (which reads k). The plain GEMM (fs a constant 0 in its
- * callers) keeps one loop; with streams the first steps fetch a line each and the rest run
- * without the test (one loop testing `k < pn` cost the decode LoRA op ~1 ms a step). */
+ * callers) keeps one loop; with streams the fetching steps run apart from the rest, with no
+ * test per k (one loop testing `k < pn` cost the decode LoRA op ~1 ms a step). */
 #define K_LOOP(STEP)                                                                       \
     if (!fs) {                                                                             \
         _Pragma("GCC unroll 4") for (int64_t k = 0; k < K; k++) { STEP }                   \
+    } else if ((fs->n[0] + fs->n[1]) * 4 <= K) {                                           \
+        K_STRIDED(4, STEP)                                                                 \
+    } else if ((fs->n[0] + fs->n[1]) * 2 <= K) {                                           \
+        K_STRIDED(2, STEP)                                                                 \
     } else {                                                                               \
-        int64_t k = 0;                                                                     \
-        const int64_t n0 = fs->n[0], n1 = n0 + fs->n[1];                                   \
-        const float *p0 = fs->p[0], *p1 = fs->p[1];                                        \
-        _Pragma("GCC unroll 4") for (; k < n0; k++) {                                      \
-            _mm_prefetch((const char *)(p0 + k * STREAM_LINE), _MM_HINT_T1);               \
-            STEP                                                                           \
-        }                                                                                  \
-        _Pragma("GCC unroll 4") for (; k < n1; k++) {                                      \
-            _mm_prefetch((const char *)(p1 + (k - n0) * STREAM_LINE), _MM_HINT_T1);        \
-            STEP                                                                           \
-        }                                                                                  \
-        _Pragma("GCC unroll 4") for (; k < K; k++) { STEP }                                \
+        K_STRIDED(1, STEP)                                                                 \
     }
 
 /* T_(MR) for a tile of m rows (1..TILE_ROWS), MR a constant in each branch: for callers that
