@@ -46,6 +46,7 @@ from loraserve.lora.layout import (
     group_layouts,
     padded_rank,
 )
+from loraserve.ops.hugepages import zeros_huge
 
 if TYPE_CHECKING:
     from loraserve.adapters.format import LoraAdapterWeights
@@ -82,9 +83,10 @@ class LoraSlotPool:
             a, b = {}, {}
             for g, lay in self.layouts.items():
                 cap = lay.rank_capacity(max_lora_rank)
-                a[g] = torch.zeros(num_slots, cap * lay.d_in, dtype=dtype, device=device)
-                b[g] = torch.zeros(num_slots, max_lora_rank * lay.d_out, dtype=dtype,
-                                   device=device)
+                # 2 MB pages on CPU: a decode step reads every slot's weights
+                a[g] = zeros_huge(num_slots, cap * lay.d_in, dtype=dtype, device=device)
+                b[g] = zeros_huge(num_slots, max_lora_rank * lay.d_out, dtype=dtype,
+                                  device=device)
             self.A.append(a)
             self.B.append(b)
         self._ranks: list[dict[str, int]] = [
@@ -131,7 +133,7 @@ class LoraSlotPool:
         for per_layer in (self.A, self.B):
             for d in per_layer:
                 for g, t in d.items():
-                    bigger = torch.zeros(num_slots, t.shape[1], dtype=t.dtype, device=t.device)
+                    bigger = zeros_huge(num_slots, t.shape[1], dtype=t.dtype, device=t.device)
                     bigger[: self.num_slots] = t
                     d[g] = bigger
         extra = num_slots - self.num_slots

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from loraserve.ops.cbuild import load_library_once
+from loraserve.ops.hugepages import empty_huge
 
 # oneDNN packs for a batch-size hint; 64 measured as fast as 2048 from 7 rows up, and as fast
 # as 1 at batch 1.
@@ -84,7 +85,7 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     16]`, zeros past d_out."""
     w = weight.detach().contiguous()
     n, k = w.shape
-    out = torch.empty(-(-n // PANEL), k, PANEL, dtype=torch.float32)
+    out = empty_huge(-(-n // PANEL), k, PANEL)  # 2 MB pages: a decode step reads them all
     _kernel().gemm_pack(w.data_ptr(), k, n, k, out.data_ptr())
     return out
 

@@ -1,0 +1,62 @@
+"""Large CPU tensors on 2 MB pages, where Linux gives them (transparent huge pages).
+
+Why: a decode step streams every adapter's weights (~590 MB for 16 adapters of ranks 8-64 on
+SmolLM2) and the base weights (~425 MB), page after page; on 4 KB pages that is ~250,000 TLB
+misses a step, each a page walk, and the LoRA op's prefetches wait on them. With the adapter
+memory and the packed weights on 2 MB pages, the decode LoRA op added 1.6 ms a step less
+(10.0 against 11.7 ms, benchmarks/fused_lora.py; docs/benchmarks.md).
+
+Most hosts run THP in `madvise` mode (only regions that ask get huge pages), so the tensor is
+aligned to 2 MB and the range advised (MADV_HUGEPAGE) before its first touch. Elsewhere (no
+THP, not Linux, a GPU tensor) these are plain tensors: same values, 4 KB pages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+
+import torch
+
+log = logging.getLogger("loraserve.memory")
+
+HUGE_PAGE = 2 << 20
+MIN_BYTES = HUGE_PAGE  # smaller tensors could not hold one huge page
+_MADV_HUGEPAGE = 14
+
+_madvise = None
+if sys.platform.startswith("linux"):
+    try:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _madvise = _libc.madvise
+        _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _madvise.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        _madvise = None
+
+
+def empty_huge(*shape: int, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> torch.Tensor:
+    """torch.empty(shape), on 2 MB pages where the OS gives them (see the module docstring).
+    Its pages are untouched: the first write faults them in, as huge pages."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    item = torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or _madvise is None or numel * item < MIN_BYTES:
+        return torch.empty(*shape, dtype=dtype, device=device)
+    pad = HUGE_PAGE // item
+    raw = torch.empty(numel + pad, dtype=dtype)  # malloc's mmap: untouched until written
+    skip = (-raw.data_ptr() % HUGE_PAGE) // item
+    t = raw[skip : skip + numel].view(*shape)
+    if _madvise(t.data_ptr(), numel * item, _MADV_HUGEPAGE) != 0:
+        log.debug("madvise(MADV_HUGEPAGE) refused: errno %d", ctypes.get_errno())
+    return t
+
+
+def zeros_huge(*shape: int, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> torch.Tensor:
+    """torch.zeros(shape), on 2 MB pages where the OS gives them."""
+    return empty_huge(*shape, dtype=dtype, device=device).zero_()
