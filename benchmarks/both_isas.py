@@ -43,9 +43,17 @@ def main() -> None:
     for tag, env in ISAS.items():
         print(f"==== {script} on {tag} ====", flush=True)
         run_env = {**os.environ, **env, "LORASERVE_BENCH_TAG": tag}
-        subprocess.run([sys.executable, str(Path(__file__).with_name(script + ".py")), *args],
-                       env=run_env, check=True)
-        results[tag] = flat(json.loads((RESULTS / f"{script}-{tag}.json").read_text()))
+        # the file the script wrote (a workload's options can change its name): its "wrote" line
+        wrote = RESULTS / f"{script}-{tag}.json"
+        with subprocess.Popen([sys.executable, str(Path(__file__).with_name(script + ".py")),
+                               *args], env=run_env, stdout=subprocess.PIPE, text=True) as proc:
+            for line in proc.stdout:
+                print(line, end="", flush=True)
+                if line.startswith("wrote "):
+                    wrote = Path(line.removeprefix("wrote ").strip())
+        if proc.returncode:
+            sys.exit(f"{script} failed on {tag} (exit status {proc.returncode})")
+        results[tag] = flat(json.loads(wrote.read_text()))
     print(f"\n{'':44s}{'native':>16s}{'avx2':>16s}")
     for key in results["native"]:
         if key in results["avx2"] and not key.startswith("workload"):
