@@ -30,7 +30,7 @@
 int gemm_expand_unit(void) { return UNIT; }
 
 /* Whether this beats the GEMM followed by lora_sgmv on this build. With AVX-512 (Zen 5) the
- * LoRA ops of a 2048-token step cost 0.56-0.6 of the separate ops' time; on imitated AVX2
+ * LoRA ops of a 2048-token step cost 0.6 of the separate ops' time; on imitated AVX2
  * 1.12: there the GEMM is slower, so moving y costs relatively less, and its 192 KB x blocks
  * (32 rows at K = 1536) cut segments into short tiles and the shrink into small phases, one
  * barrier each (benchmarks/fused_lora.py, docs/benchmarks.md). */
