@@ -183,17 +183,20 @@ int gemm_lora_decode(const float *x, int64_t ldx, const float *packed, int64_t M
                      const float *B, int64_t b_slot, const int64_t *segs, int64_t nseg,
                      const int64_t *parts, int64_t npart, float *t, int64_t ldt, int64_t tile,
                      int nthreads, void **plan_slot) {
-    if (!lora_accepts_tile(tile) || tile % UNIT || N % UNIT || nthreads > MAX_THREADS) return -3;
-    for (int64_t p = 0; p < npart; p++) /* modules of whole units (so strips are too) */
-        if (parts[6 * p + 3] % UNIT || parts[6 * p + 4] % UNIT) return -3;
-    int64_t mods[2 * MAX_MODULES];
-    if (module_ranges(parts, npart, mods, MAX_MODULES) == MAX_MODULES) return -3;
-    for (int64_t s = 0; s < nseg; s++)
-        if (pad8(segs[4 * s + 3]) > ldt) return -1;
     dplan *pl = *plan_slot;
     if (!pl || pl->nt != nthreads || pl->M != M || pl->N != N || pl->K != K ||
         pl->a_slot != a_slot || pl->b_slot != b_slot || pl->tile != tile) {
         free_plan(pl); /* a plan is for one step's segments: only the shapes can differ */
+        *plan_slot = 0;
+        /* the layout, checked once per plan (segs and parts do not change under it) */
+        if (!lora_accepts_tile(tile) || tile % UNIT || N % UNIT || nthreads > MAX_THREADS)
+            return -3;
+        for (int64_t p = 0; p < npart; p++) /* modules of whole units (so strips are too) */
+            if (parts[6 * p + 3] % UNIT || parts[6 * p + 4] % UNIT) return -3;
+        int64_t mods[2 * MAX_MODULES];
+        if (module_ranges(parts, npart, mods, MAX_MODULES) == MAX_MODULES) return -3;
+        for (int64_t s = 0; s < nseg; s++)
+            if (pad8(segs[4 * s + 3]) > ldt) return -1;
         *plan_slot = pl = make_plan(nthreads, M, N, K, a_slot, b_slot, segs, nseg, parts,
                                     npart, tile, UNIT);
         if (!pl) return -2;

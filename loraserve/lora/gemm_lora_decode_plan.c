@@ -28,7 +28,7 @@ typedef struct { /* one thread's share */
 
 typedef struct {
     int nt;
-    int64_t M, N, K, a_slot, b_slot, tile, unit, nitems, units;
+    int64_t M, N, K, a_slot, b_slot, tile, unit;
     work *items;          /* the shrinks, by segment, then every thread's expands */
     int64_t *seg_shrinks; /* the shrinks of segment s: items [seg_shrinks[s], seg_shrinks[s + 1]) */
     share *th;
@@ -124,7 +124,7 @@ static dplan *make_plan(int nt, int64_t M, int64_t N, int64_t K, int64_t a_slot,
     dplan *pl = calloc(1, sizeof *pl);
     if (!pl) return 0;
     pl->nt = nt, pl->M = M, pl->N = N, pl->K = K, pl->a_slot = a_slot, pl->b_slot = b_slot;
-    pl->tile = tile, pl->unit = unit, pl->units = units;
+    pl->tile = tile, pl->unit = unit;
     pl->items = malloc((max_items + 1) * sizeof *pl->items);
     pl->seg_shrinks = malloc((nseg + 1) * sizeof *pl->seg_shrinks);
     pl->th = calloc(nt, sizeof *pl->th);
@@ -158,7 +158,6 @@ static dplan *make_plan(int nt, int64_t M, int64_t N, int64_t K, int64_t a_slot,
         /* strips make the column split uneven (o_proj: 5 and 4 of 9): shrinks even it out */
         me->load = (double)(c1 - c0) * column_cost(M, K) + (double)me->expand_floats;
     }
-    pl->nitems = n;
     pl->done = pl->claimed + n, pl->unit_claimed = pl->done + n;
     pl->unit_done = pl->unit_claimed + units;
     for (int64_t i = 0; i < pl->seg_shrinks[nseg]; i++) { /* each to the least loaded */

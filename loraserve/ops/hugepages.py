@@ -44,7 +44,7 @@ def empty_huge(*shape: int, dtype: torch.dtype = torch.float32,
     numel = 1
     for n in shape:
         numel *= n
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     if torch.device(device).type != "cpu" or _madvise is None or numel * item < MIN_BYTES:
         return torch.empty(*shape, dtype=dtype, device=device)
     pad = HUGE_PAGE // item
