@@ -3,8 +3,9 @@ every segment of the step, decodes and long prompts alike (2.3-2.7x oneDNN's GEM
 one 2048-token prompt; benchmarks/lora_op_micro.py).
 
 Where the projection runs on our GEMM (ops/gemm_cpu.c), `project` fuses the two (lora/
-gemm_lora_cpu.py), with the same results bit for bit: for long segments the expand runs in
-the GEMM's tiles (y is written once; AVX-512 builds only, where it is the faster); at decode
+gemm_lora_cpu.py), with the same results bit for bit: for long segments each x block's
+shrink runs while the block is in L2 for the GEMM, and the expand in the GEMM's tiles (y is
+written once; AVX-512 builds only, where it is the faster); at decode
 the shrink and expand are interleaved with the GEMM, their adapter weights prefetched under
 its arithmetic."""
 
