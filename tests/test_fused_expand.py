@@ -96,6 +96,16 @@ def test_decode_batches_fused_equal_gemm_then_lora_op(fused_calls, threads):
     assert not fused_calls["gemm_expand"]
 
 
+@pytest.mark.parametrize("tokens", [12, 24, 64])
+def test_decode_batch_sizes_of_each_panel_fetch_way_are_exact(fused_calls, tokens):
+    # the next unit's panels are fetched by the first row tile alone (12 tokens: two tiles of
+    # 8 rows) or spread over the first tiles with the adapters' lines in the later ones
+    b = CpuKernelLoraBackend(full_pool())
+    seqs = [(s % len(ADAPTERS), 1) for s in range(tokens)]
+    assert_exact(b, sorted(seqs), seed=11)
+    assert fused_calls["gemm_lora_decode"] and all(fused_calls["gemm_lora_decode"])
+
+
 def test_one_decode_plan_serves_every_layer_whatever_the_thread_count(fused_calls):
     # the C side makes its work plan at a step's first call of a group and reuses it for the
     # other layers; a call with another thread count gets a new plan, and stays exact

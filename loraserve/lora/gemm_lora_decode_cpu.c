@@ -24,13 +24,6 @@
 #include "../ops/gemm_cpu.c"
 #include "sgmv_cpu.c"
 #include <omp.h>
-/* Row tiles at the start of a unit that fetch no LoRA lines while the first one fetches the
- * next unit's panels (their share goes to the later tiles). 1 made the decode LoRA op 0.7-1.2
- * ms a step faster from 16 to 128 tokens natively, 0.7 ms on imitated AVX2; 2 was no better at
- * 64 tokens and worse at 32 (in-process A/Bs of 21-31 rounds). */
-#ifndef QUIET_TILES
-#define QUIET_TILES 1
-#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define UNIT TILE_COLS /* GEMM columns per register tile */
@@ -87,13 +80,14 @@ typedef struct {
     int64_t n, wi, off, budget;
 } cursor;
 
-/* Fills f with the cursor's next lines for one row tile: its share of the budget (tiles: the
- * row tiles left in the unit), at most one per k, from at most two items; 0 when none. */
-static const fetch *next_lines(cursor *cu, int64_t tiles, fetch *f) {
+/* Fills streams 1 and 2 of f with the cursor's next lines for one row tile: its share of the
+ * budget (tiles: the row tiles left in the unit), at most `room`, from at most two items; 0 when
+ * f has no lines (stream 0 included). */
+static const fetch *next_lines(cursor *cu, int64_t tiles, int64_t room, fetch *f) {
     int64_t want = (cu->budget / tiles + STREAM_LINE - 1) / STREAM_LINE;
-    want = want < cu->pl->K ? want : cu->pl->K;
-    f->n[0] = f->n[1] = 0;
-    for (int s = 0; s < 2 && want > 0 && cu->wi < cu->n; s++) {
+    want = want < room ? want : room;
+    f->n[1] = f->n[2] = 0;
+    for (int s = 1; s < 3 && want > 0 && cu->wi < cu->n; s++) {
         const work *w = cu->pl->items + cu->list[cu->wi];
         const int64_t left = (w->n - cu->off + STREAM_LINE - 1) / STREAM_LINE;
         const int64_t take = want < left ? want : left;
@@ -104,30 +98,45 @@ static const fetch *next_lines(cursor *cu, int64_t tiles, fetch *f) {
         cu->budget -= take * STREAM_LINE;
         want -= take;
     }
-    return f->n[0] ? f : 0;
+    return f->n[0] + f->n[1] + f->n[2] ? f : 0;
 }
 
 /* GEMM column unit u of all M rows, each row tile fetching the cursor's next lines (cu: 0,
- * none); the first tile fetches the next unit's panels instead when `next`. */
+ * none). The next unit's panels (when `next`) are fetched too, one line per k step by the first
+ * row tiles (2 of 8 at 64 rows with AVX-512), which then fetch no LoRA lines; with too few row
+ * tiles for that, by the first tile as the plain GEMM does (`pf`, into L1), again alone.
+ * Measured against the plain GEMM's way with LoRA lines in every tile (benchmarks/fused_lora.py
+ * shapes, 64 tokens, in-process A/Bs of 31 rounds): the first tile without LoRA lines, -0.8 ms
+ * a step; the panels spread at one line per k, -0.9 ms more natively (neutral on imitated
+ * AVX2, where a unit's one panel is one tile's lines); spread over all 8 tiles, or 4 or 6,
+ * 0.6-1.8 ms slower than over 2. */
 static void gemm_unit(const call *c, const dplan *pl, int64_t u, int next, cursor *cu) {
     const int64_t M = pl->M, K = pl->K, tiles = (M + TILE_ROWS - 1) / TILE_ROWS;
     const float *b = c->packed + u * UNIT * K;
     float *y = c->y + u * UNIT;
     const float *pf = M > TILE_ROWS && next ? b + UNIT * K : 0;
-    const int64_t quiet = !pf ? 0 : tiles - 1 < QUIET_TILES ? tiles - 1 : QUIET_TILES;
+    const int64_t plines = UNIT * K / STREAM_LINE, ptiles = (plines + K - 1) / K;
+    const int spread = pf && cu && tiles > ptiles;
+    const int64_t quiet = !pf || spread ? 0 : 1;
     for (int64_t r = 0, i = 0; r < M; r += TILE_ROWS, i++) {
         const int64_t m = M - r < TILE_ROWS ? M - r : TILE_ROWS;
         fetch f;
-        const fetch *fs = cu && i >= quiet ? next_lines(cu, tiles - i, &f) : 0;
+        f.n[0] = 0;
+        if (spread && i < ptiles) {
+            const int64_t l0 = i * K, l1 = l0 + K < plines ? l0 + K : plines;
+            f.p[0] = pf + l0 * STREAM_LINE, f.n[0] = l1 - l0;
+        }
+        const fetch *fs = cu && i >= quiet ? next_lines(cu, tiles - i, K - f.n[0], &f) : 0;
+        const float *tpf = spread ? 0 : pf;
         const float *a = c->x + r * c->ldx;
 #ifdef __AVX512F__
-#define T_(MR) tile512(MR, 2, a, c->ldx, b, K, y + r * c->ldy, c->ldy, NR, pf, 0, fs)
+#define T_(MR) tile512(MR, 2, a, c->ldx, b, K, y + r * c->ldy, c->ldy, NR, tpf, 0, fs)
 #else
-#define T_(MR) tile(MR, a, c->ldx, b, K, y + r * c->ldy, c->ldy, NR, pf, 0, fs)
+#define T_(MR) tile(MR, a, c->ldx, b, K, y + r * c->ldy, c->ldy, NR, tpf, 0, fs)
 #endif
         SWITCH_ROWS(m, T_)
 #undef T_
-        pf = 0;
+        pf = spread ? pf : 0;
     }
     __atomic_store_n(pl->unit_done + u, pl->gen, __ATOMIC_RELEASE);
 }

@@ -39,31 +39,29 @@ typedef struct {
 } lowrank;
 
 /* Other streams to fetch while a tile computes: n[0] 64-byte lines of p[0], then n[1] of p[1],
- * one line every S k steps, S = 4, 2 or 1, the widest that fits them all in K (the interleaved
- * decode LoRA, lora/gemm_lora_decode_cpu.c, fetches adapter weights it reads next, so their
- * memory time hides under the tile's FMAs; two streams, as a short work item may end before
- * the tile's share). Into L2: into L1 measured the same. One line per k step, all at the start
- * of K, cost the decode LoRA op 0.5 ms a step more (benchmarks/fused_lora.py, an A/B). */
+ * then n[2] of p[2], one line every S k steps, S = 4, 2 or 1, the widest that fits them all in
+ * K. The interleaved decode LoRA (lora/gemm_lora_decode_cpu.c) fetches the next unit's panels
+ * in stream 0 and the adapter weights it reads next in 1 and 2 (two: a short work item may end
+ * before the tile's share), so their memory time hides under the tile's FMAs. Into L2: into L1
+ * measured the same. One line per k step, all at the start of K, cost the decode LoRA op 0.5 ms
+ * a step more (benchmarks/fused_lora.py, an A/B). */
 #define STREAM_LINE 16 /* floats per line */
 typedef struct {
-    const float *p[2];
-    int64_t n[2];
+    const float *p[3];
+    int64_t n[3];
 } fetch;
 
 #define K_STRIDED(S, ...) /* the body: __VA_ARGS__ (STEP may hold commas) */               \
     {                                                                                      \
         int64_t k = 0;                                                                     \
-        const int64_t e0 = fs->n[0] * S, e1 = e0 + fs->n[1] * S;                           \
-        const float *p0 = fs->p[0], *p1 = fs->p[1];                                        \
-        for (; k < e0;) {                                                                  \
-            _mm_prefetch((const char *)p0, _MM_HINT_T1);                                   \
-            p0 += STREAM_LINE;                                                             \
-            for (int s_ = 0; s_ < S; s_++, k++) { __VA_ARGS__ }                            \
-        }                                                                                  \
-        for (; k < e1;) {                                                                  \
-            _mm_prefetch((const char *)p1, _MM_HINT_T1);                                   \
-            p1 += STREAM_LINE;                                                             \
-            for (int s_ = 0; s_ < S; s_++, k++) { __VA_ARGS__ }                            \
+        for (int st_ = 0; st_ < 3; st_++) {                                                \
+            const float *p0 = fs->p[st_];                                                  \
+            const int64_t e0 = k + fs->n[st_] * S;                                         \
+            for (; k < e0;) {                                                              \
+                _mm_prefetch((const char *)p0, _MM_HINT_T1);                               \
+                p0 += STREAM_LINE;                                                         \
+                for (int s_ = 0; s_ < S; s_++, k++) { __VA_ARGS__ }                        \
+            }                                                                              \
         }                                                                                  \
         _Pragma("GCC unroll 4") for (; k < K; k++) { __VA_ARGS__ }                         \
     }
@@ -74,9 +72,9 @@ typedef struct {
 #define K_LOOP(STEP)                                                                       \
     if (!fs) {                                                                             \
         _Pragma("GCC unroll 4") for (int64_t k = 0; k < K; k++) { STEP }                   \
-    } else if ((fs->n[0] + fs->n[1]) * 4 <= K) {                                           \
+    } else if ((fs->n[0] + fs->n[1] + fs->n[2]) * 4 <= K) {                                \
         K_STRIDED(4, STEP)                                                                 \
-    } else if ((fs->n[0] + fs->n[1]) * 2 <= K) {                                           \
+    } else if ((fs->n[0] + fs->n[1] + fs->n[2]) * 2 <= K) {                                \
         K_STRIDED(2, STEP)                                                                 \
     } else {                                                                               \
         K_STRIDED(1, STEP)                                                                 \
