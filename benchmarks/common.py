@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -13,6 +16,14 @@ from loraserve.ops import gemm as loraserve_gemm
 from loraserve.ops.gemm import onednn_linear
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "bench-results"
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A new temporary directory, removed when the process exits: a run writes 0.5-1 GB of
+    adapters and models there, and left behind they filled this host's disk."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def gemm_gflops(n: int = 2048, reps: int = 5, backend: str = "mkl") -> float | None:

@@ -12,6 +12,10 @@ and sgmv_cpu.c beside it, so an older revision is compared from a worktree of it
 
 Prints each side's median step time and the median over rounds of B - A, per group of
 projections (the host drifts: the per-round difference is the figure to quote).
+
+`--engine` times whole runs of multi_lora.py's workload in the engine instead (64 requests,
+128 in, 64 out, over 16 adapters), the engine's decode op switched between A and B run by run,
+with base-only runs between: each side's multi/base and the per-round B - A in seconds.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=31)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--engine", action="store_true", help="whole engine runs (see above)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     libs = {side: cbuild.load_library_once(getattr(args, f"{side}_src").resolve(),
@@ -55,6 +60,9 @@ def main() -> None:
             for side in ("a", "b")}
     if None in libs.values():
         sys.exit("a side did not build (or this CPU lacks AVX2 + FMA)")
+    if args.engine:
+        engine_ab(libs, args.rounds)
+        return
     cfg, n = SMOLLM2, args.adapters
     pool = LoraSlotPool(cfg, n, max(RANKS),
                         tile_width=pool_tile_width("cpu", torch.float32, torch.device("cpu")))
@@ -100,6 +108,42 @@ def main() -> None:
         d = statistics.median(y[part] - x[part] for x, y in zip(res["a"], res["b"], strict=True))
         print(f"  {part:8s} A {1e3 * a:7.2f}  B {1e3 * b:7.2f}  B - A (median of rounds) "
               f"{1e3 * d:+6.2f} ms")
+
+
+def engine_ab(libs: dict, rounds: int) -> None:
+    """Whole multi-LoRA runs in the engine with each side's decode op, and base-only runs."""
+    from common import random_prompts, scratch_dir, time_ours
+
+    from loraserve import LLM
+    from loraserve.bench.make_adapters import make_synthetic_adapters
+    from loraserve.model.bundled import default_model_dir
+
+    model_dir = default_model_dir()
+    paths = make_synthetic_adapters(model_dir, scratch_dir("loraserve-decode-op-ab-"), 16,
+                                    ranks=RANKS)
+    names = [p.name for p in paths]
+    llm = LLM(model_dir, lora_paths={p.name: str(p) for p in paths}, max_loras_per_batch=16,
+              max_lora_rank=max(RANKS), enable_prefix_caching=False)
+    backend = llm.engine.runner.lora
+    if not isinstance(backend, CpuKernelLoraBackend):
+        sys.exit(f"the engine runs the {type(backend).__name__}, not the C kernel")
+    prompts = random_prompts(64, 128, llm.engine.model_config.vocab_size)
+    loras = [names[i % 16] for i in range(64)]
+    time_ours(llm, prompts[:16], 4, names)  # every adapter resident; full-size warm-ups
+    time_ours(llm, prompts, 64, loras)
+    time_ours(llm, prompts, 64, None)
+    res: dict[str, list[float]] = {"a": [], "b": [], "base": []}
+    for r in range(rounds):
+        for side in ("a", "b", "base") if r % 2 == 0 else ("base", "b", "a"):
+            if side != "base":
+                backend.decode_lib = libs[side]  # read by each step's plan
+            res[side].append(time_ours(llm, prompts, 64, None if side == "base" else loras))
+    base = statistics.median(res["base"])
+    for side in ("a", "b"):
+        run = statistics.median(res[side])
+        print(f"{side.upper()}: {run:.3f} s a run, multi/base {base / run:.3f}")
+    d = statistics.median(y - x for x, y in zip(res["a"], res["b"], strict=True))
+    print(f"B - A (median of rounds): {d:+.3f} s a run; base-only {base:.3f} s")
 
 
 if __name__ == "__main__":

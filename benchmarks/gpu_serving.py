@@ -23,14 +23,13 @@ import json
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import write_result  # noqa: E402
+from common import scratch_dir, write_result  # noqa: E402
 
 from loraserve import LLM, SamplingParams  # noqa: E402
 from loraserve.bench.make_adapters import make_synthetic_adapters  # noqa: E402
@@ -106,7 +105,7 @@ def bench_model(label: str, model_dir: Path, args, dtype: torch.dtype) -> dict:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    tmp = Path(tempfile.mkdtemp(prefix=f"loraserve-gpu-{label}-"))
+    tmp = scratch_dir(f"loraserve-gpu-{label}-")
     ranks = (8, 16, 32, 64) if not args.smoke else (4, 8)
     paths = make_synthetic_adapters(model_dir, tmp, args.num_adapters, ranks=ranks)
     names = [p.name for p in paths]
@@ -182,7 +181,7 @@ def main() -> None:
         if args.device == "cpu":
             args.dtype = "float32"  # loraserve computes in float32 on CPU
     dtype = getattr(torch, args.dtype)
-    work = Path(tempfile.mkdtemp(prefix="loraserve-gpu-models-"))
+    work = scratch_dir("loraserve-gpu-models-")
     models = {"smollm2": lambda: default_model_dir(),
               "llama-1b": lambda: random_llama(LLAMA_1B, work / "llama-1b", dtype),
               "smoke": lambda: random_llama(SMOKE, work / "smoke", dtype)}

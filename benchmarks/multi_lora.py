@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import median, random_prompts, time_hf, time_ours, write_result  # noqa: E402
+from common import median, random_prompts, scratch_dir, time_hf, time_ours, write_result  # noqa: E402
 
 from loraserve import LLM  # noqa: E402
 from loraserve.bench.make_adapters import make_synthetic_adapters  # noqa: E402
@@ -64,7 +63,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     model_dir = default_model_dir()
-    tmp = Path(tempfile.mkdtemp(prefix="loraserve-bench-"))
+    tmp = scratch_dir("loraserve-bench-")
     paths = make_synthetic_adapters(model_dir, tmp, args.num_adapters, ranks=ranks,
                                     dtype=args.adapter_dtype)
     names = [p.name for p in paths]

@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import random_prompts, time_ours  # noqa: E402
+from common import random_prompts, scratch_dir, time_ours  # noqa: E402
 
 from loraserve import LLM  # noqa: E402
 from loraserve.bench.make_adapters import make_synthetic_adapters  # noqa: E402
@@ -37,7 +36,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = default_model_dir()
-    paths = make_synthetic_adapters(model_dir, Path(tempfile.mkdtemp()), 16,
+    paths = make_synthetic_adapters(model_dir, scratch_dir("loraserve-multi-step-split-"), 16,
                                     ranks=(8, 16, 32, 64), dtype="float32")
     names = [p.name for p in paths]
     llm = LLM(model_dir, lora_paths={p.name: str(p) for p in paths}, max_loras_per_batch=16,

@@ -20,11 +20,10 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, Server, write_result  # noqa: E402
+from common import RESULTS, Server, scratch_dir, write_result  # noqa: E402
 
 from loraserve.bench.make_adapters import make_synthetic_adapters  # noqa: E402
 from loraserve.bench.report import plot_cdfs  # noqa: E402
@@ -57,7 +56,7 @@ def main() -> None:
     ap.add_argument("--traffic", default="bursty", help=f"of {','.join(TRAFFIC)}")
     ap.add_argument("--configs", default="T,U,U0", help=f"of {','.join(CONFIGS)}")
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="loraserve-prefetch-"))
+    work = scratch_dir("loraserve-prefetch-")
     model_dir = default_model_dir()
     paths = make_synthetic_adapters(model_dir, work / "adapters", args.num_adapters,
                                     ranks=(8, 16, 32, 64))

@@ -19,13 +19,12 @@ import asyncio
 import re
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, Server, write_result  # noqa: E402
+from common import RESULTS, Server, scratch_dir, write_result  # noqa: E402
 
 from loraserve.bench.client import run_requests  # noqa: E402
 from loraserve.bench.make_adapters import make_synthetic_adapters  # noqa: E402
@@ -70,7 +69,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--server-args", default="", help="extra `loraserve serve` flags")
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="loraserve-prefix-"))
+    work = scratch_dir("loraserve-prefix-")
     paths = make_synthetic_adapters(default_model_dir(), work / "adapters", args.num_adapters,
                                     ranks=(16,))
     names = [p.name for p in paths]

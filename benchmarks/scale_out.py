@@ -20,14 +20,13 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, write_result  # noqa: E402
+from common import RESULTS, scratch_dir, write_result  # noqa: E402
 
 from loraserve.bench.make_adapters import make_synthetic_adapters  # noqa: E402
 from loraserve.bench.report import plot_cdfs  # noqa: E402
@@ -98,7 +97,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:
         args.num_requests, args.input_len, args.output_len, args.request_rate = 80, 32, 8, 4.0
-    work = Path(tempfile.mkdtemp(prefix="loraserve-scale-out-"))
+    work = scratch_dir("loraserve-scale-out-")
     model_dir = Path(args.model) if args.model else default_model_dir()
     paths = make_synthetic_adapters(model_dir, work / "adapters", args.num_adapters,
                                     ranks=(8, 16))
