@@ -114,29 +114,27 @@ static void gemm_unit(const call *c, const dplan *pl, int64_t u, int next, curso
     const int64_t M = pl->M, K = pl->K, tiles = (M + TILE_ROWS - 1) / TILE_ROWS;
     const float *b = c->packed + u * UNIT * K;
     float *y = c->y + u * UNIT;
-    const float *pf = M > TILE_ROWS && next ? b + UNIT * K : 0;
+    const float *panels = M > TILE_ROWS && next ? b + UNIT * K : 0; /* the next unit's */
     const int64_t plines = UNIT * K / STREAM_LINE, ptiles = (plines + K - 1) / K;
-    const int spread = pf && cu && tiles > ptiles;
-    const int64_t quiet = !pf || spread ? 0 : 1;
+    const int spread = panels && cu && tiles > ptiles;
     for (int64_t r = 0, i = 0; r < M; r += TILE_ROWS, i++) {
         const int64_t m = M - r < TILE_ROWS ? M - r : TILE_ROWS;
         fetch f;
         f.n[0] = 0;
-        if (spread && i < ptiles) {
+        if (spread && i < ptiles) { /* its share of the panels' lines: no room for LoRA's */
             const int64_t l0 = i * K, l1 = l0 + K < plines ? l0 + K : plines;
-            f.p[0] = pf + l0 * STREAM_LINE, f.n[0] = l1 - l0;
+            f.p[0] = panels + l0 * STREAM_LINE, f.n[0] = l1 - l0;
         }
-        const fetch *fs = cu && i >= quiet ? next_lines(cu, tiles - i, K - f.n[0], &f) : 0;
-        const float *tpf = spread ? 0 : pf;
+        const float *pf = !spread && i == 0 ? panels : 0; /* not spread: the first tile's */
+        const fetch *fs = cu && !pf ? next_lines(cu, tiles - i, K - f.n[0], &f) : 0;
         const float *a = c->x + r * c->ldx;
 #ifdef __AVX512F__
-#define T_(MR) tile512(MR, 2, a, c->ldx, b, K, y + r * c->ldy, c->ldy, NR, tpf, 0, fs)
+#define T_(MR) tile512(MR, 2, a, c->ldx, b, K, y + r * c->ldy, c->ldy, NR, pf, 0, fs)
 #else
-#define T_(MR) tile(MR, a, c->ldx, b, K, y + r * c->ldy, c->ldy, NR, tpf, 0, fs)
+#define T_(MR) tile(MR, a, c->ldx, b, K, y + r * c->ldy, c->ldy, NR, pf, 0, fs)
 #endif
         SWITCH_ROWS(m, T_)
 #undef T_
-        pf = spread ? pf : 0;
     }
     __atomic_store_n(pl->unit_done + u, pl->gen, __ATOMIC_RELEASE);
 }

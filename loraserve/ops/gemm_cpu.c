@@ -55,11 +55,11 @@ typedef struct {
     {                                                                                      \
         int64_t k = 0;                                                                     \
         for (int st_ = 0; st_ < 3; st_++) {                                                \
-            const float *p0 = fs->p[st_];                                                  \
-            const int64_t e0 = k + fs->n[st_] * S;                                         \
-            for (; k < e0;) {                                                              \
-                _mm_prefetch((const char *)p0, _MM_HINT_T1);                               \
-                p0 += STREAM_LINE;                                                         \
+            const float *p_ = fs->p[st_];                                                  \
+            const int64_t e_ = k + fs->n[st_] * S;                                         \
+            for (; k < e_;) {                                                              \
+                _mm_prefetch((const char *)p_, _MM_HINT_T1);                               \
+                p_ += STREAM_LINE;                                                         \
                 for (int s_ = 0; s_ < S; s_++, k++) { __VA_ARGS__ }                        \
             }                                                                              \
         }                                                                                  \
