@@ -171,3 +171,31 @@ class Server:
         self.proc.terminate()
         self.proc.wait(30)
         self._log.close()
+
+
+def mixed_adapter_workload(prefix: str, num_adapters: int = 16, num_requests: int = 64,
+                           input_len: int = 128, out_len: int = 64,
+                           ranks: tuple[int, ...] = (8, 16, 32, 64)):
+    """multi_lora.py's default workload on the bundled model, warmed up: an LLM with
+    `num_adapters` synthetic float32 adapters (ranks cycled, all seven modules; written to a
+    scratch directory named `prefix`), no prefix cache (runs repeat the prompts), random
+    prompts, and each request's adapter, round robin. Every adapter is made resident, then one
+    full-size run of each kind (multi, base-only) pays the first-touch costs later runs do not.
+    Returns (llm, prompts, loras)."""
+    from loraserve import LLM
+    from loraserve.bench.make_adapters import make_synthetic_adapters
+    from loraserve.model.bundled import default_model_dir
+
+    model_dir = default_model_dir()
+    paths = make_synthetic_adapters(model_dir, scratch_dir(prefix), num_adapters, ranks=ranks)
+    names = [p.name for p in paths]
+    llm = LLM(model_dir, lora_paths={p.name: str(p) for p in paths},
+              max_loras_per_batch=num_adapters, max_lora_rank=max(ranks),
+              enable_prefix_caching=False)
+    prompts = random_prompts(num_requests, input_len, llm.engine.model_config.vocab_size)
+    loras = [names[i % num_adapters] for i in range(num_requests)]
+    time_ours(llm, prompts[:num_adapters], 4, names)
+    time_ours(llm, prompts, out_len, loras)
+    time_ours(llm, prompts, out_len, None)
+    return llm, prompts, loras
+

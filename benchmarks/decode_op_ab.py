@@ -23,23 +23,18 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lora_op_micro import SMOLLM2, synthetic_adapter  # noqa: E402
+from common import mixed_adapter_workload, time_ours  # noqa: E402
+from fused_lora import RANKS, smollm2_step, time_groups  # noqa: E402
 
-from loraserve.adapters.slot_pool import LoraSlotPool  # noqa: E402
 from loraserve.lora import gemm_lora_cpu  # noqa: E402
-from loraserve.lora.backends import pool_tile_width  # noqa: E402
 from loraserve.lora.backends.cpu_kernel import CpuKernelLoraBackend  # noqa: E402
 from loraserve.lora.layout import GROUP_NAMES  # noqa: E402
-from loraserve.model.linear import Linear  # noqa: E402
 from loraserve.ops import cbuild  # noqa: E402
-
-RANKS = (8, 16, 32, 64)
 
 
 def main() -> None:
@@ -63,34 +58,18 @@ def main() -> None:
     if args.engine:
         engine_ab(libs, args.rounds)
         return
-    cfg, n = SMOLLM2, args.adapters
-    pool = LoraSlotPool(cfg, n, max(RANKS),
-                        tile_width=pool_tile_width("cpu", torch.float32, torch.device("cpu")))
-    for s in range(n):
-        pool.write(s, synthetic_adapter(cfg, RANKS[s % len(RANKS)], seed=s))
-    backend = CpuKernelLoraBackend(pool)
+    n = args.adapters
+    backend, per, linears, xs = smollm2_step(n, args.tokens)
     plans = {}
     for side, lib in libs.items():  # a plan's DecodeCalls hold the library they were made with
         backend.decode_lib = lib
-        plans[side] = backend.plan([(s, args.tokens // n) for s in range(n)])
-    g = torch.Generator().manual_seed(0)
-    linears = [{name: Linear(torch.randn(lay.d_out, lay.d_in, generator=g) * 0.02)
-                for name, lay in pool.layouts.items()} for _ in range(cfg.num_hidden_layers)]
-    xs = [{name: torch.randn(args.tokens // n * n, lay.d_in, generator=g)
-           for name, lay in pool.layouts.items()} for _ in range(cfg.num_hidden_layers)]
+        plans[side] = backend.plan([(s, per) for s in range(n)])
 
     def step(side: str | None) -> dict[str, float]:
-        took = dict.fromkeys(GROUP_NAMES, 0.0)
-        for layer, lins in enumerate(linears):
-            for name in GROUP_NAMES:
-                t0 = time.perf_counter()
-                if side is None:
-                    lins[name](xs[layer][name])
-                else:
-                    backend.project(plans[side], layer, name, xs[layer][name], lins[name])
-                took[name] += time.perf_counter() - t0
-        took["step"] = sum(took.values())
-        return took
+        if side is None:
+            return time_groups(linears, xs, lambda layer, name, x, lin: lin(x))
+        return time_groups(linears, xs, lambda layer, name, x, lin:
+                           backend.project(plans[side], layer, name, x, lin))
 
     for side in ("a", "b", None):
         step(side)  # builds, first touches
@@ -112,26 +91,10 @@ def main() -> None:
 
 def engine_ab(libs: dict, rounds: int) -> None:
     """Whole multi-LoRA runs in the engine with each side's decode op, and base-only runs."""
-    from common import random_prompts, scratch_dir, time_ours
-
-    from loraserve import LLM
-    from loraserve.bench.make_adapters import make_synthetic_adapters
-    from loraserve.model.bundled import default_model_dir
-
-    model_dir = default_model_dir()
-    paths = make_synthetic_adapters(model_dir, scratch_dir("loraserve-decode-op-ab-"), 16,
-                                    ranks=RANKS)
-    names = [p.name for p in paths]
-    llm = LLM(model_dir, lora_paths={p.name: str(p) for p in paths}, max_loras_per_batch=16,
-              max_lora_rank=max(RANKS), enable_prefix_caching=False)
+    llm, prompts, loras = mixed_adapter_workload("loraserve-decode-op-ab-", ranks=RANKS)
     backend = llm.engine.runner.lora
     if not isinstance(backend, CpuKernelLoraBackend):
         sys.exit(f"the engine runs the {type(backend).__name__}, not the C kernel")
-    prompts = random_prompts(64, 128, llm.engine.model_config.vocab_size)
-    loras = [names[i % 16] for i in range(64)]
-    time_ours(llm, prompts[:16], 4, names)  # every adapter resident; full-size warm-ups
-    time_ours(llm, prompts, 64, loras)
-    time_ours(llm, prompts, 64, None)
     res: dict[str, list[float]] = {"a": [], "b": [], "base": []}
     for r in range(rounds):
         for side in ("a", "b", "base") if r % 2 == 0 else ("base", "b", "a"):

@@ -19,6 +19,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,6 +36,39 @@ from loraserve.model.linear import Linear  # noqa: E402
 from loraserve.ops.gemm import gemm_backend  # noqa: E402
 
 RANKS = (8, 16, 32, 64)
+Project = Callable[[int, str, torch.Tensor, Linear], object]
+
+
+def smollm2_step(n: int, tokens: int):
+    """A slot pool of n synthetic adapters (RANKS cycled, all seven modules) and its C-kernel
+    backend, with every layer's projections and its own inputs for a step of `tokens` tokens
+    spread evenly over the adapters: (backend, tokens per adapter, linears, xs)."""
+    cfg = SMOLLM2
+    pool = LoraSlotPool(cfg, n, max(RANKS),
+                        tile_width=pool_tile_width("cpu", torch.float32, torch.device("cpu")))
+    for s in range(n):
+        pool.write(s, synthetic_adapter(cfg, RANKS[s % len(RANKS)], seed=s))
+    per = tokens // n
+    g = torch.Generator().manual_seed(0)
+    linears = [{name: Linear(torch.randn(lay.d_out, lay.d_in, generator=g) * 0.02)
+                for name, lay in pool.layouts.items()} for _ in range(cfg.num_hidden_layers)]
+    xs = [{name: torch.randn(per * n, lay.d_in, generator=g) for name, lay in pool.layouts.items()}
+          for _ in range(cfg.num_hidden_layers)]
+    return CpuKernelLoraBackend(pool), per, linears, xs
+
+
+def time_groups(linears: list[dict[str, Linear]], xs: list[dict[str, torch.Tensor]],
+                project: Project) -> dict[str, float]:
+    """Seconds per group of projections (and "step": all of them) for one step, each
+    projection run as project(layer, group, x, linear)."""
+    took = dict.fromkeys(GROUP_NAMES, 0.0)
+    for layer, lins in enumerate(linears):
+        for name in GROUP_NAMES:
+            t0 = time.perf_counter()
+            project(layer, name, xs[layer][name], lins[name])
+            took[name] += time.perf_counter() - t0
+    took["step"] = sum(took.values())
+    return took
 
 
 def main() -> None:
@@ -45,48 +79,26 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    cfg, n = SMOLLM2, args.adapters
+    n = args.adapters
     if gemm_backend() != "avx2":
         sys.exit(f"the fused op needs our GEMM; this host's backend is {gemm_backend()}")
-    tile = pool_tile_width("cpu", torch.float32, torch.device("cpu"))
-    pool = LoraSlotPool(cfg, n, max(RANKS), tile_width=tile)
-    for s in range(n):
-        pool.write(s, synthetic_adapter(cfg, RANKS[s % len(RANKS)], seed=s))
-    backend = CpuKernelLoraBackend(pool)
-    per = args.tokens // n
+    backend, per, linears, xs = smollm2_step(n, args.tokens)
     plan = backend.plan([(s, per) for s in range(n)])
-    g = torch.Generator().manual_seed(0)
-    linears = [{name: Linear(torch.randn(lay.d_out, lay.d_in, generator=g) * 0.02)
-                for name, lay in pool.layouts.items()} for _ in range(cfg.num_hidden_layers)]
-    xs = [{name: torch.randn(per * n, lay.d_in, generator=g) for name, lay in pool.layouts.items()}
-          for _ in range(cfg.num_hidden_layers)]
-
-    def step(kind: str) -> dict[str, float]:
-        """Seconds per group of projections (and "step": all of them) for one step."""
-        took = dict.fromkeys(GROUP_NAMES, 0.0)
-        for layer, lins in enumerate(linears):
-            for name in GROUP_NAMES:
-                x, lin = xs[layer][name], lins[name]
-                t0 = time.perf_counter()
-                if kind == "gemm":
-                    lin(x)
-                elif kind == "separate":
-                    LoraBackend.project(backend, plan, layer, name, x, lin)
-                else:
-                    backend.project(plan, layer, name, x, lin)
-                took[name] += time.perf_counter() - t0
-        took["step"] = sum(took.values())
-        return took
-
-    kinds = ("gemm", "separate", "fused")
+    projects: dict[str, Project] = {
+        "gemm": lambda layer, name, x, lin: lin(x),
+        "separate": lambda layer, name, x, lin: LoraBackend.project(backend, plan, layer, name,
+                                                                     x, lin),
+        "fused": lambda layer, name, x, lin: backend.project(plan, layer, name, x, lin),
+    }
+    kinds = tuple(projects)
     times: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
     for k in kinds:
-        step(k)  # warm-up: builds, first touches
+        time_groups(linears, xs, projects[k])  # warm-up: builds, first touches
     for r in range(args.rounds):
         for k in kinds if r % 2 == 0 else kinds[::-1]:
-            times[k].append(step(k))
-    print(f"{args.tokens} tokens over {n} adapters ({per} each), pool tile {tile}, "
-          f"{torch.get_num_threads()} threads; ms per step, medians")
+            times[k].append(time_groups(linears, xs, projects[k]))
+    print(f"{args.tokens} tokens over {n} adapters ({per} each), pool tile "
+          f"{backend.weights.tile_width}, {torch.get_num_threads()} threads; ms per step, medians")
     print(f"  {'':8s} {'GEMMs':>7s} {'separate adds':>14s} {'fused adds':>11s} {'fused/sep':>10s}")
     for part in ("step", *GROUP_NAMES):
         med = {k: statistics.median(t[part] for t in v) for k, v in times.items()}

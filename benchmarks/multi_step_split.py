@@ -19,12 +19,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import random_prompts, scratch_dir, time_ours  # noqa: E402
+from common import mixed_adapter_workload, time_ours  # noqa: E402
 
-from loraserve import LLM  # noqa: E402
-from loraserve.bench.make_adapters import make_synthetic_adapters  # noqa: E402
 from loraserve.engine import runner  # noqa: E402
-from loraserve.model.bundled import default_model_dir  # noqa: E402
 
 FIELDS = ("run", "prefill", "decode")
 
@@ -35,15 +32,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model_dir = default_model_dir()
-    paths = make_synthetic_adapters(model_dir, scratch_dir("loraserve-multi-step-split-"), 16,
-                                    ranks=(8, 16, 32, 64), dtype="float32")
-    names = [p.name for p in paths]
-    llm = LLM(model_dir, lora_paths={p.name: str(p) for p in paths}, max_loras_per_batch=16,
-              max_lora_rank=64, enable_prefix_caching=False)
-    prompts = random_prompts(64, 128, llm.engine.model_config.vocab_size)
-    loras = [names[i % 16] for i in range(64)]
-
+    llm, prompts, loras = mixed_adapter_workload("loraserve-multi-step-split-")
     steps: list[tuple[bool, float]] = []  # (has prefill tokens, seconds) of each model step
     execute = runner.ModelRunner.execute
 
@@ -55,9 +44,6 @@ def main() -> None:
         return out
 
     runner.ModelRunner.execute = timed
-    time_ours(llm, prompts[:16], 4, names)  # every adapter resident, then full-size warm-ups
-    time_ours(llm, prompts, 64, loras)
-    time_ours(llm, prompts, 64, None)
     runs: dict[str, list[tuple[float, float, float]]] = {"multi": [], "base": []}
     for i in range(args.pairs):
         for kind in ("multi", "base") if i % 2 == 0 else ("base", "multi"):
