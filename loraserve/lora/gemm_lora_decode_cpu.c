@@ -18,8 +18,8 @@
  * GEMM sum and then + t[j] * B[j] by FMA in order.
  *
  * Measured (benchmarks/fused_lora.py, SmolLM2 shapes, 64 tokens over 16 adapters): the LoRA
- * ops add 0.36 of what they add run separately on Zen 5 (5.7 against 15.9 ms a step), 0.58 on
- * imitated AVX2 (11.2 against 19.1 ms).
+ * ops add 0.36 of what they add run separately on Zen 5 (5.7 against 15.9 ms a step), 0.68 on
+ * imitated AVX2 (11.1 against 16.4 ms; session 15, after ops/gemm_cpu.c's AVX2 fetch hints).
  */
 #include "../ops/gemm_cpu.c"
 #include "sgmv_cpu.c"

@@ -42,10 +42,22 @@ typedef struct {
  * then n[2] of p[2], one line every S k steps, S = 4, 2 or 1, the widest that fits them all in
  * K. The interleaved decode LoRA (lora/gemm_lora_decode_cpu.c) fetches the next unit's panels
  * in stream 0 and the adapter weights it reads next in 1 and 2 (two: a short work item may end
- * before the tile's share), so their memory time hides under the tile's FMAs. Into L2: into L1
- * measured the same. One line per k step, all at the start of K, cost the decode LoRA op 0.5 ms
- * a step more (benchmarks/fused_lora.py, an A/B). */
+ * before the tile's share), so their memory time hides under the tile's FMAs. One line per k
+ * step, all at the start of K, cost the decode LoRA op 0.5 ms a step more (benchmarks/
+ * fused_lora.py, an A/B).
+ * Hints: with AVX-512 both into L2 (into L1 measured the same; non-temporal +0.4-0.6 ms a step).
+ * Without it (a unit is one 36 KB panel at K = 576), the panel into L1 and the adapter lines
+ * non-temporal: -0.5 to -0.9 ms a step on imitated AVX2 against both into L2, in three
+ * in-process A/Bs of 31 rounds (benchmarks/decode_op_ab.py); adapter lines non-temporal with the
+ * panel into L2 was no better than into L2. */
 #define STREAM_LINE 16 /* floats per line */
+#ifdef __AVX512F__
+#define PANEL_HINT _MM_HINT_T1
+#define LORA_HINT _MM_HINT_T1
+#else
+#define PANEL_HINT _MM_HINT_T0
+#define LORA_HINT _MM_HINT_NTA
+#endif
 typedef struct {
     const float *p[3];
     int64_t n[3];
@@ -58,7 +70,8 @@ typedef struct {
             const float *p_ = fs->p[st_];                                                  \
             const int64_t e_ = k + fs->n[st_] * S;                                         \
             for (; k < e_;) {                                                              \
-                _mm_prefetch((const char *)p_, _MM_HINT_T1);                               \
+                if (st_) _mm_prefetch((const char *)p_, LORA_HINT);                        \
+                else _mm_prefetch((const char *)p_, PANEL_HINT);                           \
                 p_ += STREAM_LINE;                                                         \
                 for (int s_ = 0; s_ < S; s_++, k++) { __VA_ARGS__ }                        \
             }                                                                              \
