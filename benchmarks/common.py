@@ -173,6 +173,34 @@ class Server:
         self._log.close()
 
 
+class StepTimes:
+    """Times every model step of the engine from now on (ModelRunner.execute, patched for the
+    life of the process): `split()` gives the seconds of the steps with prefill tokens (more
+    tokens than sequences) and of the decode-only steps since the last `clear()`."""
+
+    def __init__(self) -> None:
+        from loraserve.engine import runner
+
+        self.steps: list[tuple[bool, float]] = []
+        execute = runner.ModelRunner.execute
+
+        def timed(runner_self, batch, slots):
+            t = time.perf_counter()
+            out = execute(runner_self, batch, slots)
+            tokens = sum(n for _, n in batch.entries)
+            self.steps.append((tokens > len(batch.entries), time.perf_counter() - t))
+            return out
+
+        runner.ModelRunner.execute = timed
+
+    def clear(self) -> None:
+        self.steps.clear()
+
+    def split(self) -> tuple[float, float]:
+        """(prefill steps' seconds, decode steps' seconds)."""
+        return (sum(s for p, s in self.steps if p), sum(s for p, s in self.steps if not p))
+
+
 def mixed_adapter_workload(prefix: str, num_adapters: int = 16, num_requests: int = 64,
                            input_len: int = 128, out_len: int = 64,
                            ranks: tuple[int, ...] = (8, 16, 32, 64)):

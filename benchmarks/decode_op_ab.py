@@ -15,7 +15,8 @@ projections (the host drifts: the per-round difference is the figure to quote).
 
 `--engine` times whole runs of multi_lora.py's workload in the engine instead (64 requests,
 128 in, 64 out, over 16 adapters), the engine's decode op switched between A and B run by run,
-with base-only runs between: each side's multi/base and the per-round B - A in seconds.
+with base-only runs between: each side's multi/base and the per-round B - A in seconds, for
+the whole run and for its decode steps alone.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import mixed_adapter_workload, time_ours  # noqa: E402
+from common import StepTimes, mixed_adapter_workload, time_ours  # noqa: E402
 from fused_lora import RANKS, smollm2_step, time_groups  # noqa: E402
 
 from loraserve.lora import gemm_lora_cpu  # noqa: E402
@@ -90,23 +91,33 @@ def main() -> None:
 
 
 def engine_ab(libs: dict, rounds: int) -> None:
-    """Whole multi-LoRA runs in the engine with each side's decode op, and base-only runs."""
+    """Whole multi-LoRA runs in the engine with each side's decode op, and base-only runs;
+    the decode steps' time is printed apart (the op runs only there; prefill steps are the
+    noisier part of a run)."""
     llm, prompts, loras = mixed_adapter_workload("loraserve-decode-op-ab-", ranks=RANKS)
     backend = llm.engine.runner.lora
     if not isinstance(backend, CpuKernelLoraBackend):
         sys.exit(f"the engine runs the {type(backend).__name__}, not the C kernel")
-    res: dict[str, list[float]] = {"a": [], "b": [], "base": []}
+    steps = StepTimes()
+    res: dict[str, list[tuple[float, float]]] = {"a": [], "b": [], "base": []}  # run, decode
     for r in range(rounds):
         for side in ("a", "b", "base") if r % 2 == 0 else ("base", "b", "a"):
             if side != "base":
                 backend.decode_lib = libs[side]  # read by each step's plan
-            res[side].append(time_ours(llm, prompts, 64, None if side == "base" else loras))
-    base = statistics.median(res["base"])
+            steps.clear()
+            run = time_ours(llm, prompts, 64, None if side == "base" else loras)
+            res[side].append((run, steps.split()[1]))
+    base = statistics.median(run for run, _ in res["base"])
     for side in ("a", "b"):
-        run = statistics.median(res[side])
-        print(f"{side.upper()}: {run:.3f} s a run, multi/base {base / run:.3f}")
-    d = statistics.median(y - x for x, y in zip(res["a"], res["b"], strict=True))
-    print(f"B - A (median of rounds): {d:+.3f} s a run; base-only {base:.3f} s")
+        run = statistics.median(run for run, _ in res[side])
+        dec = statistics.median(d for _, d in res[side])
+        print(f"{side.upper()}: {run:.3f} s a run (decode steps {dec:.3f} s), "
+              f"multi/base {base / run:.3f}")
+    for j, what in enumerate(("run", "decode steps")):
+        d = [y[j] - x[j] for x, y in zip(res["a"], res["b"], strict=True)]
+        print(f"B - A, {what}: median of rounds {statistics.median(d):+.3f} s "
+              f"(rounds: {' '.join(f'{v:+.2f}' for v in d)})")
+    print(f"base-only {base:.3f} s a run")
 
 
 if __name__ == "__main__":

@@ -19,9 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import mixed_adapter_workload, time_ours  # noqa: E402
-
-from loraserve.engine import runner  # noqa: E402
+from common import StepTimes, mixed_adapter_workload, time_ours  # noqa: E402
 
 FIELDS = ("run", "prefill", "decode")
 
@@ -33,25 +31,14 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     llm, prompts, loras = mixed_adapter_workload("loraserve-multi-step-split-")
-    steps: list[tuple[bool, float]] = []  # (has prefill tokens, seconds) of each model step
-    execute = runner.ModelRunner.execute
-
-    def timed(self, batch, slots):
-        t = time.perf_counter()
-        out = execute(self, batch, slots)
-        tokens = sum(n for _, n in batch.entries)
-        steps.append((tokens > len(batch.entries), time.perf_counter() - t))
-        return out
-
-    runner.ModelRunner.execute = timed
+    steps = StepTimes()
     runs: dict[str, list[tuple[float, float, float]]] = {"multi": [], "base": []}
     for i in range(args.pairs):
         for kind in ("multi", "base") if i % 2 == 0 else ("base", "multi"):
             steps.clear()
             t = time.perf_counter()
             time_ours(llm, prompts, 64, loras if kind == "multi" else None)
-            runs[kind].append((time.perf_counter() - t, sum(s for p, s in steps if p),
-                               sum(s for p, s in steps if not p)))
+            runs[kind].append((time.perf_counter() - t, *steps.split()))
     for kind, rows in runs.items():
         print(f"{kind:5s} " + "  ".join(f"{f} {statistics.median(r[j] for r in rows):.3f} s"
                                         for j, f in enumerate(FIELDS)))
