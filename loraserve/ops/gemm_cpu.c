@@ -47,9 +47,9 @@ typedef struct {
  * fused_lora.py, an A/B).
  * Hints: with AVX-512 both into L2 (into L1 measured the same; non-temporal +0.4-0.6 ms a step).
  * Without it (a unit is one 36 KB panel at K = 576), the panel into L1 and the adapter lines
- * non-temporal: -0.5 to -0.9 ms a step on imitated AVX2 against both into L2, in three
- * in-process A/Bs of 31 rounds (benchmarks/decode_op_ab.py); adapter lines non-temporal with the
- * panel into L2 was no better than into L2. */
+ * non-temporal: -0.5 to -1.3 ms a step (of ~11) on imitated AVX2 against both into L2, in five
+ * in-process A/Bs of 31 rounds (benchmarks/decode_op_ab.py); with the panel into L2 instead,
+ * +0.8 ms. */
 #define STREAM_LINE 16 /* floats per line */
 #ifdef __AVX512F__
 #define PANEL_HINT _MM_HINT_T1
