@@ -15,7 +15,7 @@ from model_factory import make_tiny_family
 from loraserve import LLM
 from loraserve.model.families import model_config_from_hf, read_model_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # model_type -> (extra config fields, what the error must name)
 REFUSED_FAMILIES = {

@@ -13,7 +13,7 @@ import torch
 
 from loraserve import LLM, SamplingParams
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_cli_generate_json_equals_offline_api(tiny_model_dir):

@@ -13,7 +13,7 @@ import pytest
 from loraserve.cli import build_parser, engine_config_from_args
 from loraserve.config import LORA_BACKEND_NAMES, EngineConfig
 
-ROOT = Path(__file__).resolve().parent.parent / "loraserve"
+ROOT = Path(__file__).resolve().parents[2] / "loraserve"
 
 
 def parse(*argv: str):
