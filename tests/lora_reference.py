@@ -1,7 +1,7 @@
 """Test helper: the transformers + PEFT reference for LoRA outputs, and engine checks.
 
 The reference for a LoRA request is a float32 `PeftModel` holding only that adapter, run on
-that prompt alone with greedy decoding that never stops early (DESIGN.md §4).
+that prompt alone with greedy decoding that never stops early (docs/design.md §4).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """AdapterStore: the single authority on adapter identity and residency.
 
 Tiers: registered (disk path) -> host memory (weights, at most `max_loaded_loras`, LRU) ->
-compute slots (`max_loras_per_batch` + `max_loras_prefetch`, LRU). Invariants (DESIGN.md §3):
+compute slots (`max_loras_per_batch` + `max_loras_prefetch`, LRU). Invariants (docs/design.md §3):
 - every load mints a fresh uid; names resolve to uids once, at admission (`acquire`);
 - host keeps a superset of the slots: losing host weights frees the slot too;
 - pinned adapters and adapters in use (running or scheduled) are never evicted implicitly;

@@ -1,4 +1,4 @@
-"""The adapter store's consistency report (DESIGN.md §3), for the engine's invariant check.
+"""The adapter store's consistency report (docs/design.md §3), for the engine's invariant check.
 
 Pure: it reads the store, its slot pool and its disk loader and changes nothing. Each problem
 is one sentence; an empty list means every invariant holds.

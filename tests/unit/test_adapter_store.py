@@ -1,7 +1,7 @@
 """The AdapterStore alone, with a fake slot pool and a fake disk loader (no model, no torch
 work): residency decisions, the one eviction rule, pure admission queries, and random
 sequences of register / acquire / release / unload / pin / prepare / bind keeping every
-invariant of DESIGN.md §3."""
+invariant of docs/design.md §3."""
 
 from __future__ import annotations
 
