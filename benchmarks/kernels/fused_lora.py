@@ -5,12 +5,12 @@ segments, shrink and expand interleaved with the GEMM at decode), and the GEMMs 
 SmolLM2-135M shapes, float32, 30 layers x 4 groups, 16 adapters of ranks 8/16/32/64 on all
 seven modules (as benchmarks/multi_lora.py), the step's tokens spread evenly over them. The
 weights (425 MB of projections, 586 MB of adapters) are far larger than the caches, as in a
-real step. Each layer has its own inputs, as in the model (one x reused by every layer stayed in
-L3 and made a 2048-token step's LoRA ops look 1.3x cheaper than they are in the engine).
+real step. Each layer has its own inputs, as in the model (one x reused by every layer would
+stay in L3 and make a prefill step's LoRA ops look cheaper than they are in the engine).
 Variants run interleaved, round after round; medians of each, and of the per-round ratio of
 LoRA overheads (variant - GEMMs alone), for the step and per group of projections.
 
-    .venv/bin/python benchmarks/fused_lora.py [--tokens 64] [--rounds 7]
+    .venv/bin/python benchmarks/kernels/fused_lora.py [--tokens 64] [--rounds 7]
 """
 
 from __future__ import annotations

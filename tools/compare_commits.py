@@ -5,7 +5,7 @@ every round, so drift hits both), each in a fresh process with the same venv, an
 JSON each run writes to its tree's docs/bench-results/. Prints every round's figures and the
 median per side. For refactors that must not cost speed.
 
-    .venv/bin/python benchmarks/compare_commits.py --rev 92fb225 --rounds 2 \
+    .venv/bin/python tools/compare_commits.py --rev 92fb225 --rounds 2 \
         --script benchmarks/offline_throughput.py --result offline_throughput -- --reps 1
 """
 

@@ -6,9 +6,9 @@ come from memory as in a forward step) and the lm_head, at 1, 4, 16, 64 and 2048
 lm_head at min(rows, 64): only sampling rows reach it). Backends alternate within each round,
 so machine noise hits all; medians of the rounds, times relative to oneDNN's.
 
-    .venv/bin/python benchmarks/gemm_shapes.py [--rounds 7]
+    .venv/bin/python benchmarks/kernels/gemm_shapes.py [--rounds 7]
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
-        LORASERVE_CPU_ARCH=x86-64-v3 .venv/bin/python benchmarks/gemm_shapes.py
+        LORASERVE_CPU_ARCH=x86-64-v3 .venv/bin/python benchmarks/kernels/gemm_shapes.py
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/common
 from common import median, write_result  # noqa: E402
 
 from loraserve.ops import gemm  # noqa: E402

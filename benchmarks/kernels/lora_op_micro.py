@@ -9,7 +9,7 @@ B decode tokens spread evenly over N adapters (ranks spaced 8..64, all 7 modules
   gather-bmm      per-token gather of A (copies), then bmm: the naive batched form
   base linears / lm_head   the base model's matmuls of the same step (oneDNN), for scale
 
-    .venv/bin/python benchmarks/lora_op_micro.py [--tokens 64 --adapters 16 --reps 5]
+    .venv/bin/python benchmarks/kernels/lora_op_micro.py [--tokens 64 --adapters 16 --reps 5]
         [--variants "c-kernel,base linears"]
 """
 

@@ -1,12 +1,14 @@
 """Run one benchmark script on this host's native ISA and on imitated AVX2, side by side.
 
-    .venv/bin/python benchmarks/both_isas.py offline_throughput [script args...]
+    .venv/bin/python tools/both_isas.py offline_throughput [script args...]
 
-AVX2 is imitated (DESIGN.md §5) with ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2,
-MKL_ENABLE_INSTRUCTIONS=AVX2 and our C kernels built for -march=x86-64-v3. The script runs
-twice, native then AVX2 (each compares loraserve with its reference inside its own run), and
-writes docs/bench-results/SCRIPT-native.json and SCRIPT-avx2.json; every number the two have
-in common is printed side by side. On a host without AVX-512 both runs are AVX2.
+SCRIPT names a script of benchmarks/ (or benchmarks/kernels/) that writes its result with
+common.write_result. AVX2 is imitated (docs/design.md §5) with ATEN_CPU_CAPABILITY=avx2,
+ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2 and our C kernels built for
+-march=x86-64-v3. The script runs twice, native then AVX2 (each compares loraserve with its
+reference inside its own run), and writes docs/bench-results/SCRIPT-native.json and
+SCRIPT-avx2.json; every number the two have in common is printed side by side. On a host
+without AVX-512 both runs are AVX2.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "bench-results"
 
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
         "MKL_ENABLE_INSTRUCTIONS": "AVX2", "LORASERVE_CPU_ARCH": "x86-64-v3"}
@@ -35,18 +37,27 @@ def flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def script_path(name: str) -> Path:
+    for folder in ("benchmarks", "benchmarks/kernels"):
+        path = ROOT / folder / f"{name}.py"
+        if path.exists():
+            return path
+    sys.exit(f"no benchmark script {name}.py in benchmarks/ or benchmarks/kernels/")
+
+
 def main() -> None:
     if len(sys.argv) < 2:
         sys.exit(__doc__)
-    script, args = sys.argv[1].removesuffix(".py"), sys.argv[2:]
+    script, args = Path(sys.argv[1]).name.removesuffix(".py"), sys.argv[2:]
+    path = script_path(script)
     results = {}
     for tag, env in ISAS.items():
         print(f"==== {script} on {tag} ====", flush=True)
         run_env = {**os.environ, **env, "LORASERVE_BENCH_TAG": tag}
         # the file the script wrote (a workload's options can change its name): its "wrote" line
         wrote = RESULTS / f"{script}-{tag}.json"
-        with subprocess.Popen([sys.executable, str(Path(__file__).with_name(script + ".py")),
-                               *args], env=run_env, stdout=subprocess.PIPE, text=True) as proc:
+        with subprocess.Popen([sys.executable, str(path), *args], env=run_env,
+                              stdout=subprocess.PIPE, text=True) as proc:
             for line in proc.stdout:
                 print(line, end="", flush=True)
                 if line.startswith("wrote "):
