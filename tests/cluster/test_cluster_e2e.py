@@ -1,4 +1,4 @@
-"""`loraserve serve --replicas 2` in miniature (issue 17): two engine replicas of a tiny model
+"""`loraserve serve --replicas 2` in miniature: two engine replicas of a tiny model
 behind the Ray Serve ingress, on one small local Ray instance shared by every test here.
 
 The real openai client; the base model and two adapters, streaming and not; outputs equal to

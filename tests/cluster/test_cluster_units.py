@@ -1,4 +1,4 @@
-"""The cluster's pieces that need no running Ray (issue 17): merging the replicas' model lists
+"""The cluster's pieces that need no running Ray: merging the replicas' model lists
 and metrics, the routers' ranking, the in-process ASGI bridge, the `serve run` args, and that
 the single-server path never imports ray."""
 

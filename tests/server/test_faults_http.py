@@ -1,4 +1,4 @@
-"""Faults over HTTP on a live server (issue 16), with a KV cache small enough that traffic
+"""Faults over HTTP on a live server, with a KV cache small enough that traffic
 preempts: clients that disconnect mid-stream en masse (real sockets closed), the KV pool
 exhausted under load, a load and an unload of one name racing, an unload during heavy
 traffic to that adapter, and a reload with new weights while old requests still run. After

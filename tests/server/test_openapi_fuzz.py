@@ -1,4 +1,4 @@
-"""Schemathesis over the server's own OpenAPI schema (issue 16): for every operation, cases
+"""Schemathesis over the server's own OpenAPI schema: for every operation, cases
 that fit the schema and cases that break it, sent to a live server (tiny model, runtime
 adapter updates confined to a root, small limits so a fuzzed max_tokens or n stays cheap).
 No answer may be a 5xx; every 4xx is OpenAI-shaped JSON; afterwards the invariant check

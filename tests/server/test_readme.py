@@ -1,4 +1,4 @@
-"""The README works as written (issue 11): its own shell commands and Python snippet run, the
+"""The README works as written: its own shell commands and Python snippet run, the
 bench and curl ones against the server `make serve` starts; its flag table matches the parser;
 it links nothing outside the repository.
 

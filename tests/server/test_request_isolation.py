@@ -1,6 +1,6 @@
-"""Request isolation (issue 11, first part): parameters that used to fail a whole engine step
-are normalised or refused at the edge, odd JSON gets a 400, and an unforeseen error inside
-the step costs only the request that caused it."""
+"""Request isolation: parameters that would fail a whole engine step are normalised or refused
+at the edge, odd JSON gets a 400, and an unforeseen error inside the step costs only the
+request that caused it."""
 
 from __future__ import annotations
 

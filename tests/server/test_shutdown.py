@@ -1,4 +1,4 @@
-"""Graceful shutdown (issue 11): on SIGTERM / SIGINT the server stops admitting, lets requests
+"""Graceful shutdown: on SIGTERM / SIGINT the server stops admitting, lets requests
 in flight finish within --shutdown-timeout, ends the rest with a well-formed 503 (streams: an
 error event, then [DONE]), and exits 0 without a traceback."""
 
