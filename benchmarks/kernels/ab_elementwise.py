@@ -2,7 +2,8 @@
 
 One engine on the bundled model, the kernels switched on and off run by run: the offline
 batch (prompts x input tokens -> output tokens, greedy), and decode steps at batch 64 and at
-batch 1. Greedy tokens must be equal either way. Writes docs/bench-results/fused_ops_ab.json.
+batch 1. Greedy tokens must be equal either way. Writes
+docs/bench-results/kernel_ab-elementwise.json.
 """
 
 from __future__ import annotations
@@ -67,4 +68,4 @@ def run(args: argparse.Namespace) -> None:
     }
     for k, v in res.items():
         print(f"{k:20s} {v}")
-    print("wrote", write_result("fused_ops_ab", res))
+    print("wrote", write_result("kernel_ab-elementwise", res))
