@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import logging
+import os
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("loraserve.config")
 
 # The LoRA-targetable linear modules of a Llama-family decoder layer, in HF naming.
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -147,6 +155,7 @@ class ModelConfig:
 LORA_DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16"}
 # lora/backends/ (kept here so config needs no torch)
 LORA_BACKEND_NAMES = ("cpu", "torch", "triton")
+LORA_BACKEND_ENV = "LORASERVE_LORA_BACKEND"  # the CPU's LoRA backend when none is named
 ATTENTION_BACKEND_NAMES = ("cpu", "triton")  # model/attention/
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -235,7 +244,7 @@ class EngineConfig:
             raise ValueError("max_loaded_loras must be >= 1 or None")
         if self.max_lora_rank < 1:
             raise ValueError("max_lora_rank must be >= 1")
-        if self.lora_dtype not in LORA_DTYPES:
+        if self.lora_dtype not in LORA_DTYPES and self.lora_dtype != self.dtype:
             raise ValueError(f"lora_dtype must be one of {sorted(LORA_DTYPES)}, "
                              f"got {self.lora_dtype!r}")
         if (self.attention_backend is not None
@@ -272,14 +281,62 @@ class EngineConfig:
 
     @property
     def lora_torch_dtype(self):
-        """The slot pool's dtype when lora_dtype is not auto (auto: the model's)."""
+        """The slot pool's torch dtype ("auto" reads as float32: `resolve` makes it the
+        model's)."""
         import torch
 
-        return getattr(torch, LORA_DTYPES[self.lora_dtype])
+        return getattr(torch, LORA_DTYPES.get(self.lora_dtype, self.lora_dtype))
 
-    @property
-    def num_lora_slots(self) -> int:
-        return self.max_loras_per_batch + self.max_loras_prefetch
+    def resolve(self, device: str | torch.device | None = None) -> EngineConfig:
+        """This config with every automatic choice made for the device the engine runs on
+        (`device`, else this config's, else cuda when torch sees a GPU, else cpu): dtype,
+        adapter memory, LoRA dtype, both backends and the CUDA graphs, so that nothing is
+        "auto" or left to a default any more. What the device cannot run is a ValueError
+        here, before anything is built. (What depends on the model, the context length and
+        the KV cache size, is settled when the model is read.)"""
+        dev = _device_name(device or self.device)
+        cpu = dev == "cpu"  # on anything else, a CUDA GPU
+        dtype = ("float32" if cpu else "bfloat16") if self.dtype == "auto" else self.dtype
+        if cpu and dtype != "float32":
+            raise ValueError(f"dtype {dtype} needs a GPU: on CPU loraserve computes in float32 "
+                             "(faster there than bf16, and what its kernels take)")
+        lora_backend = self.lora_backend or ("triton" if not cpu else (
+            os.environ.get(LORA_BACKEND_ENV) or "cpu").lower())
+        if lora_backend not in LORA_BACKEND_NAMES:
+            raise ValueError(f"${LORA_BACKEND_ENV}={lora_backend!r}: choose from "
+                             f"{list(LORA_BACKEND_NAMES)}")
+        attention_backend = self.attention_backend or ("cpu" if cpu else "triton")
+        graphs = not (cpu or self.disable_cuda_graph)
+        if graphs and (lora_backend, attention_backend) != ("triton", "triton"):
+            log.warning("decode steps run eagerly: CUDA graphs need the triton LoRA and "
+                        "attention backends, not %s and %s", lora_backend, attention_backend)
+            graphs = False
+        return replace(
+            self, device=dev, dtype=dtype,
+            lora_dtype=dtype if self.lora_dtype == "auto" else self.lora_dtype,
+            lora_memory=("unified" if cpu else "tiered") if self.lora_memory == "auto"
+            else self.lora_memory,
+            lora_backend=lora_backend, attention_backend=attention_backend,
+            disable_cuda_graph=not graphs,
+            cuda_graph_max_bs=min(self.cuda_graph_max_bs, self.max_num_seqs))
+
+
+def _device_name(device: str | torch.device | None) -> str:
+    """The device as torch names it ("cpu", "cuda", "cuda:1"); one this machine cannot run
+    is refused."""
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r}: {e}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: loraserve runs on cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: torch sees no CUDA GPU here")
+    return "cpu" if dev.type == "cpu" else str(dev)
 
 
 ROUTING_POLICIES = ("affinity", "round_robin")  # cluster/routing.py

@@ -37,10 +37,13 @@ class AdapterEntry:
             err = err.replace(f"adapter {p}: ", "").replace(p, f"<{self.name}>")
         return err
 
-    def snapshot(self) -> AdapterSnapshot:
+    def snapshot(self, tier: str | None = None) -> AdapterSnapshot:
+        """This adapter now; `tier`: as the store's residency policy names it (default:
+        where its weights are)."""
         return AdapterSnapshot(
-            name=self.name, uid=self.uid, path=self.path, tier=self.tier, pinned=self.pinned,
-            refcount=self.refcount, registered=not self.unloading, last_error=self.last_error,
+            name=self.name, uid=self.uid, path=self.path, tier=tier or self.tier,
+            pinned=self.pinned, refcount=self.refcount, registered=not self.unloading,
+            last_error=self.last_error,
             rank=self.weights.rank if self.weights is not None else None,
             fingerprint=self.fingerprint, stats=replace(self.stats))
 

@@ -23,7 +23,7 @@ def ads(tiny_model_dir, tmp_path_factory):
 
 def unified(model_dir, **kw) -> LLM:
     llm = LLM(str(model_dir), **kw)
-    assert llm.engine.store.unified and llm.engine.store.batch_cap is None
+    assert llm.engine.store.residency.name == "unified" and llm.engine.store.batch_cap is None
     return llm
 
 
