@@ -1,4 +1,4 @@
-"""The engine's invariant check (issue 16): it passes between any two steps of real traffic
+"""The engine's invariant check: it passes between any two steps of real traffic
 (forks, aborts, unloads mid-flight, tiered and unified adapter memory), and each kind of
 corruption it exists to catch makes it fail with a sentence that names the problem."""
 

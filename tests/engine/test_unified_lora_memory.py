@@ -1,4 +1,4 @@
-"""One adapter memory on CPU (issue 13, `lora_memory="unified"`, the CPU default): an adapter is
+"""One adapter memory on CPU (`lora_memory="unified"`, the CPU default): an adapter is
 packed into the kernel's layout once, when its weights reach host memory, and the unpacked copy
 is dropped; every host-resident adapter can join any batch (max_loras_per_batch does not bind);
 max_loaded_loras bounds the memory (LRU, pins and adapters in use protected); the waiting queue

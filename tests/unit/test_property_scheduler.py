@@ -1,6 +1,6 @@
 """Property-based test (hypothesis, stateful) of the scheduler with the KV cache manager and
 the adapter store (fake slots and disk reads), stepped the way LLMEngine.step does with a fake
-forward pass (issue 16). Random sequences of add (n > 1 forks, shared prefixes, several
+forward pass. Random sequences of add (n > 1 forks, shared prefixes, several
 clients) / abort / step / load / unload (mid-flight) / pin / finish or break a disk read keep
 every invariant of the engine's check (engine/invariants.py) between steps, and at the end
 every request still queued completes: nothing stalls, no block or refcount leaks."""

@@ -1,5 +1,5 @@
-"""Property-based test (hypothesis, stateful) of the adapter store (issue 16), with a fake slot
-pool and a fake disk loader (tests/test_adapter_store.py): random sequences of load / unload /
+"""Property-based test (hypothesis, stateful) of the adapter store, with a fake slot
+pool and a fake disk loader (tests/unit/test_adapter_store.py): random sequences of load / unload /
 pin / acquire (a request, forks included) / release / prepare / finish or break a disk read /
 bind keep every invariant of the store's own check (refcounts equal live requests, slots hold
 their adapter's weights, host and pin caps, no stuck or orphan loads), in both tiered and
