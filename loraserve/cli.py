@@ -1,6 +1,6 @@
 """`loraserve serve | generate | bench` — the command line, and `serve`'s composition root.
 
-Engine flags are generated from `EngineConfig`'s fields (config.py holds every default and
+Engine flags are generated from `EngineConfig`'s fields (config/engine.py holds every default and
 help text); the server's own flags live in server/cli_args.py.
 """
 
