@@ -12,7 +12,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from loraserve.engine.async_engine import AsyncEngine
-from loraserve.server.errors import ApiError, validation_message
+from loraserve.server.errors import ApiError, validation_error
 from loraserve.server.metrics import ServerMetrics
 from loraserve.server.settings import ServerSettings
 from loraserve.types import is_valid_adapter_name
@@ -124,4 +124,4 @@ async def parse_body(request: Request, model: type[M]) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise ApiError(400, validation_message(e), "invalid_request") from e
+        raise validation_error(e) from e
