@@ -8,8 +8,9 @@ compute slots. Invariants (DESIGN.md §3):
 - refcounts are acquired at admission and released exactly once (`release`); an unloaded
   adapter is unregistered at once and freed when its last request ends;
 - a failed load changes nothing (validation happens before `register` commits);
-- every residency decision is made here: disk reads start only in `prepare`, slots are
-  filled only in `prepare` (prefetch) and `bind`; `is_ready` / `can_bind` are pure queries.
+- every residency decision is made here, with its policy: disk reads start only in
+  `prepare`, slots are filled only in `prepare` (prefetch) and `bind`; `is_ready` /
+  `can_bind` are pure queries.
 Only the engine thread calls these methods; disk reads run on DiskLoader's workers.
 
 How host memory and slots relate is the residency policy's (adapters/residency/: `tiered`
@@ -50,24 +51,20 @@ class AdapterStore:
         self._reserved_names = reserved_names  # the base model's names: never an adapter's
         self._names: dict[str, int] = {}  # registered names only
         self._entries: dict[int, AdapterEntry] = {}  # registered + draining
-        self._residency = residency_class(memory)(slot_pool, MappingProxyType(self._entries),
-                                                  limits)
+        self._views = MappingProxyType(self._names), MappingProxyType(self._entries)
+        self._residency = residency_class(memory)(slot_pool, self._views[1], limits)
         self._uids = itertools.count(1)
         self._tick = itertools.count(1)
         self.loads_started = 0  # disk reads started ahead of admission
         self.slots_prefetched = 0  # spare slots filled ahead of admission
 
     # --- registration -----------------------------------------------------------------------
-    @staticmethod
-    def check_name(name: str) -> None:
+    def check_new(self, name: str, path: str, pinned: bool) -> bool:
+        """Validate a load before any I/O. Returns True if it is a no-op (same name and path)."""
         if not is_valid_adapter_name(name):
             raise LoraServeError(
                 f"invalid adapter name {name!r}: use 1-64 of [A-Za-z0-9._-], not only dots "
                 "(':' is reserved for 'base:adapter')")
-
-    def check_new(self, name: str, path: str, pinned: bool) -> bool:
-        """Validate a load before any I/O. Returns True if it is a no-op (same name and path)."""
-        self.check_name(name)
         if name in self._reserved_names:
             raise LoraServeError(f"adapter name {name!r} is the base model's name: choose "
                                  "another")
@@ -80,11 +77,8 @@ class AdapterStore:
                 "first to load a different path")
         # Also when pinning an adapter already loaded: too many pins starve every other one.
         newly_pinned = pinned and not (existing is not None and existing.pinned)
-        limit = self._residency.pin_limit
-        if newly_pinned and not limit.allows(self.num_pinned + 1):
-            raise LoraServeError(
-                f"cannot pin {name!r}: at most {limit.knob} - 1 = {limit.max_pinned} adapters "
-                "may be pinned")
+        if newly_pinned and not self._residency.pin_limit.allows(self.num_pinned + 1):
+            raise LoraServeError(f"cannot pin {name!r}: {self._residency.pin_limit}")
         return existing is not None
 
     def register(self, name: str, path: str, weights: LoraAdapterWeights | None,
@@ -110,7 +104,7 @@ class AdapterStore:
                              fingerprint=weights.fingerprint, pinned=pinned,
                              last_used=next(self._tick))
         if resident:
-            self._residency.admit(entry, weights)  # may refuse the weights: nothing changed
+            self._residency.admit(entry, weights)  # may refuse them: then not registered
         self._entries[entry.uid] = entry
         self._names[name] = entry.uid
         log.info("adapter %s loaded (uid %d, rank %d, %s%s)", name, entry.uid, weights.rank,
@@ -223,8 +217,7 @@ class AdapterStore:
 
     # --- admission queries (pure) and binding -----------------------------------------------
     @property
-    def batch_cap(self) -> int | None:
-        """Distinct adapters one batch may hold, the base model counting as one (None: any)."""
+    def batch_cap(self) -> int | None:  # the policy's
         return self._residency.batch_cap
 
     def is_ready(self, uid: int) -> bool:
@@ -251,12 +244,12 @@ class AdapterStore:
     def entries(self) -> Mapping[int, AdapterEntry]:
         """uid -> entry, registered and draining (a read-only view; only the store changes
         an entry)."""
-        return MappingProxyType(self._entries)
+        return self._views[1]
 
     @property
     def names(self) -> Mapping[str, int]:
         """Registered name -> uid (a read-only view)."""
-        return MappingProxyType(self._names)
+        return self._views[0]
 
     @property
     def residency(self) -> Residency:

@@ -72,8 +72,7 @@ def _check_caps(store: AdapterStore) -> list[str]:
                             f"{max_loaded}")
     limit = store.residency.pin_limit
     if not limit.allows(store.num_pinned):
-        problems.append(f"{store.num_pinned} adapters pinned; at most {limit.max_pinned} "
-                        f"may be ({limit.knob} - 1)")
+        problems.append(f"{store.num_pinned} adapters pinned; {limit}")
     return problems
 
 

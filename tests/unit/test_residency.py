@@ -168,6 +168,8 @@ def test_pin_limit_leaves_one_place_free():
     assert PinLimit("k", 3).allows(2) and not PinLimit("k", 3).allows(3)
     assert PinLimit("k", 1).max_pinned == 0 and not PinLimit("k", 1).allows(1)
     assert PinLimit("k", None).allows(10**6)
+    assert str(PinLimit("max_loaded_loras", 3)) == (
+        "at most max_loaded_loras - 1 = 2 adapters may be pinned")
 
 
 def test_policies_by_name():

@@ -14,8 +14,10 @@ made (`lora_memory`: `tiered` or `unified`, settled by EngineConfig.resolve):
   many adapters may be pinned (`pin_limit`);
 - views: the tier clients see (`tier`) and the policy's own invariants (`check`).
 A policy keys everything by uid and entry, never by name: names resolve to uids once, in the
-store. It reads the store's entries through a read-only mapping and changes only the
-residency fields of an entry (`weights`, `slot`, `prefetched`).
+store, and each entry is one load (one uid, one set of weights), so whatever maps names to
+loads stays the store's. A policy reads the store's entries through a read-only mapping and
+changes only the residency fields of an entry (`weights`, `slot`, `prefetched`, its count of
+slot evictions).
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ class PinLimit:
 
     def allows(self, num_pinned: int) -> bool:
         return self.max_pinned is None or num_pinned <= self.max_pinned
+
+    def __str__(self) -> str:
+        return f"at most {self.knob} - 1 = {self.max_pinned} adapters may be pinned"
 
 
 class Residency(ABC):
