@@ -1,23 +1,35 @@
 /* The work plan of the interleaved decode op (lora/gemm_lora_decode_cpu.c): which thread runs
  * which GEMM column units, shrinks and expands. Every layer of a step has the same segments and
- * shapes, so a plan is made at a step's first call of a group and reused by the other 29
- * (making it in each call cost ~3 us of both threads' time, a serial section and its barrier).
+ * shapes, so a plan is made at a step's first call of a group and reused by the other layers
+ * (made in each call, it was a serial section and a barrier per call).
  *
  * Per-call state is stamped with the call's number (`gen`) rather than reset: an item is
  * claimed when its stamp becomes `gen`, a unit or shrink done when its done stamp does. */
+#ifndef LORASERVE_GEMM_LORA_DECODE_PLAN_H
+#define LORASERVE_GEMM_LORA_DECODE_PLAN_H
+
 #include <stdint.h>
 #include <stdlib.h>
 
-#define EXPAND_STRIPS 4 /* strips per expand work item: items finish soon after their columns */
-#define MAX_MODULES 8
+#include "../ops/tuning.h"
+#include "lora_rows.h"
 
-/* One work item. kind 0, a shrink: segment `seg`, rank columns [a, a + b), its A tile at
- * A + off. kind 1, an expand: part `a` of segment `seg`, its columns [b, b + c) (relative to
- * the part's first), its B floats at B + off, ready once GEMM units [u0, u1) are done and so
- * are its segment's shrinks. n: the floats it reads (what is prefetched for it). */
+#define MAX_MODULES 8 /* distinct module column ranges of a group (7 modules in 4 groups) */
+
+enum { SHRINK, EXPAND }; /* work.kind */
+
+/* One work item. A shrink: segment `seg`, rank columns [col, col + width) of t, its A tile at
+ * A + off. An expand: part `part` of segment `seg`, its columns [col, col + width) (relative
+ * to the part's first), its B floats at B + off, ready once GEMM units [u0, u1) are done and
+ * so are its segment's shrinks. n: the floats it reads (what is prefetched for it). */
 typedef struct {
-    int64_t off, n, kind, seg, a, b, c, u0, u1;
+    int64_t off, n, kind, seg, part, col, width, u0, u1;
 } work;
+
+/* A module's output columns [c0, c1) */
+typedef struct {
+    int64_t c0, c1;
+} col_range;
 
 typedef struct { /* one thread's share */
     int64_t *shrink, *expand; /* indices into items: shrinks by load, expands in column order */
@@ -37,48 +49,49 @@ typedef struct {
     int64_t *lists;                                 /* storage of the shares' index lists */
 } dplan;
 
-/* A GEMM column's time in floats of LoRA work, estimated on Zen 5: a column of 64 rows and
- * K = 576 is ~0.28 us of one core's FMAs, in which a core streams ~2,000 floats of LoRA work
- * (146 M a step in ~10 ms on two); M * K / 16 = 2,304. Work stealing evens out what it misses. */
-static double column_cost(int64_t M, int64_t K) { return (double)M * (double)K / 16.0; }
+/* A GEMM column's time in floats of LoRA work (tuning.h). */
+static double column_cost(int64_t M, int64_t K) {
+    return (double)M * (double)K / DECODE_MACS_PER_LORA_FLOAT;
+}
 
-/* The modules' column ranges (c0, c1) of a group's parts, distinct and in column order. */
-static int64_t module_ranges(const int64_t *parts, int64_t npart, int64_t *mods, int64_t max) {
+/* The modules' column ranges of a group's parts, distinct and in column order. */
+static int64_t module_ranges(const lora_part *parts, int64_t npart, col_range *mods,
+                             int64_t max) {
     int64_t n = 0;
     for (int64_t p = 0; p < npart; p++) {
-        const int64_t c0 = parts[6 * p + 3], c1 = parts[6 * p + 4];
+        const int64_t c0 = parts[p].c0, c1 = parts[p].c1;
         int64_t i = 0;
-        while (i < n && mods[2 * i] != c0) i++;
+        while (i < n && mods[i].c0 != c0) i++;
         if (i < n || n == max) continue;
-        for (i = n++; i > 0 && mods[2 * i - 2] > c0; i--) /* insertion, by c0 */
-            mods[2 * i] = mods[2 * i - 2], mods[2 * i + 1] = mods[2 * i - 1];
-        mods[2 * i] = c0, mods[2 * i + 1] = c1;
+        for (i = n++; i > 0 && mods[i - 1].c0 > c0; i--) mods[i] = mods[i - 1]; /* by c0 */
+        mods[i] = (col_range){c0, c1};
     }
     return n;
 }
 
 /* Column c moved onto a strip boundary of the module it falls in (so each strip has one
  * owner thread), else onto the unit grid. */
-static int64_t snap(int64_t c, const int64_t *mods, int64_t nmod, int64_t tile, int64_t unit) {
+static int64_t snap(int64_t c, const col_range *mods, int64_t nmod, int64_t tile,
+                    int64_t unit) {
     for (int64_t i = 0; i < nmod; i++)
-        if (c > mods[2 * i] && c < mods[2 * i + 1]) {
-            const int64_t s = mods[2 * i] + (c - mods[2 * i] + tile / 2) / tile * tile;
-            return s < mods[2 * i + 1] ? s : mods[2 * i + 1];
+        if (c > mods[i].c0 && c < mods[i].c1) {
+            const int64_t s = mods[i].c0 + (c - mods[i].c0 + tile / 2) / tile * tile;
+            return s < mods[i].c1 ? s : mods[i].c1;
         }
     return (c + unit / 2) / unit * unit;
 }
 
-/* The end of the expand chunk that starts at c: EXPAND_STRIPS strips on, or the end of its
- * module; outside every module, the next module's start; never past `end`. */
-static int64_t chunk_end(int64_t c, int64_t end, const int64_t *mods, int64_t nmod,
+/* The end of the expand chunk that starts at c: DECODE_EXPAND_STRIPS strips on, or the end of
+ * its module; outside every module, the next module's start; never past `end`. */
+static int64_t chunk_end(int64_t c, int64_t end, const col_range *mods, int64_t nmod,
                          int64_t tile) {
     for (int64_t i = 0; i < nmod; i++) {
-        if (c >= mods[2 * i] && c < mods[2 * i + 1]) {
-            int64_t e = c + EXPAND_STRIPS * tile;
-            e = e < mods[2 * i + 1] ? e : mods[2 * i + 1];
+        if (c >= mods[i].c0 && c < mods[i].c1) {
+            int64_t e = c + DECODE_EXPAND_STRIPS * tile;
+            e = e < mods[i].c1 ? e : mods[i].c1;
             return e < end ? e : end;
         }
-        if (c < mods[2 * i]) return mods[2 * i] < end ? mods[2 * i] : end;
+        if (c < mods[i].c0) return mods[i].c0 < end ? mods[i].c0 : end;
     }
     return end;
 }
@@ -90,19 +103,21 @@ static void free_plan(dplan *pl) {
 }
 
 /* The expands of columns [c0, c1) into items from n on; returns the new n. */
-static int64_t add_expands(dplan *pl, int64_t n, int64_t c0, int64_t c1, const int64_t *mods,
-                           int64_t nmod, const int64_t *segs, const int64_t *parts,
+static int64_t add_expands(dplan *pl, int64_t n, int64_t c0, int64_t c1, const col_range *mods,
+                           int64_t nmod, const lora_seg *segs, const lora_part *parts,
                            int64_t npart) {
     for (int64_t c = c0, ce; c < c1; c = ce) {
         ce = chunk_end(c, c1, mods, nmod, pl->tile);
         for (int64_t p = 0; p < npart; p++) {
-            const int64_t *q = parts + 6 * p, *g = segs + 4 * q[0];
-            const int64_t lo = q[3] > c ? q[3] : c, hi = q[4] < ce ? q[4] : ce;
-            if (lo >= hi || g[1] == g[2]) continue;
-            const int64_t r = q[2] - q[1], lc = lo - q[3];
-            pl->items[n++] = (work){g[0] * pl->b_slot + q[5] + lc * r, (hi - lo) * r, 1, q[0],
-                                    p, lc, hi - lo, lo / pl->unit,
-                                    (hi + pl->unit - 1) / pl->unit};
+            const lora_part *q = parts + p;
+            const lora_seg *g = segs + q->seg;
+            const int64_t lo = q->c0 > c ? q->c0 : c, hi = q->c1 < ce ? q->c1 : ce;
+            if (lo >= hi || g->start == g->end) continue;
+            const int64_t r = q->o1 - q->o0, lc = lo - q->c0;
+            pl->items[n++] = (work){.off = g->slot * pl->b_slot + q->boff + lc * r,
+                                    .n = (hi - lo) * r, .kind = EXPAND, .seg = q->seg,
+                                    .part = p, .col = lc, .width = hi - lo,
+                                    .u0 = lo / pl->unit, .u1 = (hi + pl->unit - 1) / pl->unit};
         }
     }
     return n;
@@ -110,16 +125,17 @@ static int64_t add_expands(dplan *pl, int64_t n, int64_t c0, int64_t c1, const i
 
 /* The plan for nt threads; 0 when out of memory. */
 static dplan *make_plan(int nt, int64_t M, int64_t N, int64_t K, int64_t a_slot,
-                        int64_t b_slot, const int64_t *segs, int64_t nseg,
-                        const int64_t *parts, int64_t npart, int64_t tile, int64_t unit) {
-    int64_t mods[2 * MAX_MODULES];
+                        int64_t b_slot, const lora_seg *segs, int64_t nseg,
+                        const lora_part *parts, int64_t npart, int64_t tile, int64_t unit) {
+    col_range mods[MAX_MODULES];
     const int64_t nmod = module_ranges(parts, npart, mods, MAX_MODULES);
     int64_t nshrink = 0;
     for (int64_t s = 0; s < nseg; s++)
-        if (segs[4 * s + 1] < segs[4 * s + 2]) nshrink += (pad8(segs[4 * s + 3]) + tile - 1) / tile;
-    /* expand chunks: at most one per EXPAND_STRIPS strips, plus one per module and gap, per
-     * thread, each split over the parts */
-    const int64_t max_expand = nt * (N / (EXPAND_STRIPS * tile) + 2 * MAX_MODULES + 2) * npart;
+        if (segs[s].start < segs[s].end) nshrink += (pad8(segs[s].rank) + tile - 1) / tile;
+    /* expand chunks: at most one per DECODE_EXPAND_STRIPS strips, plus one per module and gap,
+     * per thread, each split over the parts */
+    const int64_t max_expand =
+        nt * (N / (DECODE_EXPAND_STRIPS * tile) + 2 * MAX_MODULES + 2) * npart;
     const int64_t max_items = nshrink + max_expand, units = N / unit;
     dplan *pl = calloc(1, sizeof *pl);
     if (!pl) return 0;
@@ -136,11 +152,13 @@ static dplan *make_plan(int nt, int64_t M, int64_t N, int64_t K, int64_t a_slot,
     }
     int64_t n = 0;
     for (int64_t s = 0; s < nseg; s++) { /* the shrinks, by segment */
-        const int64_t *g = segs + 4 * s, rpad = pad8(g[3]);
+        const lora_seg *g = segs + s;
+        const int64_t rpad = pad8(g->rank);
         pl->seg_shrinks[s] = n;
-        for (int64_t c0 = 0; g[1] < g[2] && c0 < rpad; c0 += tile) {
+        for (int64_t c0 = 0; g->start < g->end && c0 < rpad; c0 += tile) {
             const int64_t w = rpad - c0 < tile ? rpad - c0 : tile;
-            pl->items[n++] = (work){g[0] * a_slot + c0 * K, w * K, 0, s, c0, w, 0, 0, 0};
+            pl->items[n++] = (work){.off = g->slot * a_slot + c0 * K, .n = w * K,
+                                    .kind = SHRINK, .seg = s, .col = c0, .width = w};
         }
     }
     pl->seg_shrinks[nseg] = n;
@@ -183,3 +201,5 @@ static dplan *make_plan(int nt, int64_t M, int64_t N, int64_t K, int64_t a_slot,
     }
     return pl;
 }
+
+#endif
