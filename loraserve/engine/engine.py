@@ -217,8 +217,10 @@ class LLMEngine:
         namespace = BASE_NAMESPACE if uid is None else \
             adapter_namespace(self.store.fingerprint(uid))
         parent = self.requests.get(fork_of) if fork_of is not None else None
-        if parent is not None and (parent.prompt_token_ids != ids or parent.adapter_uid != uid):
-            parent = None  # not the same prompt under the same weights: nothing to share
+        if parent is not None and (parent.prompt_token_ids != ids or parent.adapter_uid != uid
+                                   or params.prompt_logprobs is not None):
+            # not the same prompt under the same weights, or its prompt's logits are wanted
+            parent = None
         req = Request(request_id, ids, params, adapter_uid=uid, lora_name=lora_name,
                       generator=gen, origin=origin, cache_namespace=namespace,
                       fork_parent=parent)

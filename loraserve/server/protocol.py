@@ -64,6 +64,9 @@ class _SamplingFields(_Request):
     top_k: int = -1
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # per prompt token: its logprob and the top k (vLLM); the prompt is computed, not reused
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (vLLM)
 
     @field_validator("stop")
     @classmethod
@@ -96,7 +99,7 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptField
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: score the prompt only (prompt_logprobs)
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = None
 

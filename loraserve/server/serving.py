@@ -33,7 +33,8 @@ async def completions(ctx: ServerContext, request: Request) -> Response:
                             f"{ctx.settings.max_prompts}", "too_many_prompts")
     _check_n(ctx, req.n)
     ids = [await _tokenize(ctx, p) for p in prompts]
-    params = _params(ctx, req, req.max_tokens or 16, max(map(len, ids)), req.logprobs)
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    params = _params(ctx, req, max_tokens, max(map(len, ids)), req.logprobs)
     return await _serve(ctx, request, req, ids, params, lora, chat=False)
 
 
@@ -91,7 +92,8 @@ def _params(ctx: ServerContext, req, max_tokens: int, prompt_len: int,
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
             top_k=req.top_k, seed=req.seed, stop=req.stops,
             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-            logprobs=logprobs, repetition_penalty=req.repetition_penalty,
+            logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
+            repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             min_tokens=req.min_tokens, min_p=req.min_p, logit_bias=req.logit_bias_pairs)
     except ValueError as e:
@@ -138,7 +140,7 @@ async def _serve(ctx: ServerContext, request: Request, req, ids, params, lora, c
     model = req.model or ctx.model_name
     prompt_tokens = sum(map(len, ids))
     timers = [RequestTimer(ctx.metrics, lora) for _ in streams]
-    lp = LogprobFormatter(ctx.tokenizer)
+    lp = LogprobFormatter(ctx.tokenizer, req.return_tokens_as_token_ids)
     if req.stream:
         gen = _stream(streams, timers, lp, rid, model, chat, req.include_usage, prompt_tokens,
                       req.n)
