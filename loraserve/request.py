@@ -35,6 +35,7 @@ class Request:
         self.params = params
         self.adapter_uid = adapter_uid  # resolved once at admission; None = base model
         self.lora_name = lora_name  # for outputs and logs only, never for lookups
+        self.adapter_version: int | None = None  # the version of lora_name it is bound to
         self.generator = generator  # its own RNG (a torch.Generator) when a seed was given
         self.origin = origin  # the client request it came from (its n x prompts share one)
         # Prefix cache: the namespace of its K/V (the weights they are computed under), the

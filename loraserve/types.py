@@ -136,6 +136,7 @@ class RequestOutput:
     error: str | None = None
     error_status: int | None = None  # with an error: 4xx the client's adapter, 500 a bug
     lora_name: str | None = None
+    adapter_version: int | None = None  # lora_name's version these tokens come from
     logprobs: list[float] | None = None  # chosen-token logprob per output token, if asked
     # with prompt_logprobs: per prompt token, None for the first, else (its logprob, top-k)
     prompt_logprobs: list[PromptLogprob | None] | None = None

@@ -11,6 +11,7 @@ removed at shutdown, and the folders of processes that are gone are swept at sta
 
 from __future__ import annotations
 
+import atexit
 import enum
 import json
 import os
@@ -38,6 +39,7 @@ def spill_dir() -> SpillDir:
     with _lock:
         if _process_spill is None:
             _process_spill = SpillDir()
+            atexit.register(_process_spill.close)
         return _process_spill
 
 

@@ -77,6 +77,7 @@ def to_output(req: Request) -> RequestOutput:
         error=req.error,
         error_status=req.error_status,
         lora_name=req.lora_name,
+        adapter_version=req.adapter_version,
         logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
         top_logprobs=list(req.top_logprobs) if req.params.logprobs else None,
         prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
