@@ -107,6 +107,9 @@ class CompletionRequest(_SamplingFields):
     def _checks(self):
         if self.best_of not in (None, 1, self.n):
             raise invalid("best_of", "best_of: only 1 or n is supported")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise invalid("max_tokens", "max_tokens=0 only scores the prompt: set "
+                                        "prompt_logprobs, or ask for at least one token")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -157,6 +160,7 @@ class LoadLoraRequest(_Request):
     lora_name: str
     lora_path: str
     pinned: bool = False
+    replace: bool = False  # a loaded name gets a new version (name@N); running requests stay
 
 
 class UnloadLoraRequest(_Request):

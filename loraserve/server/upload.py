@@ -25,6 +25,7 @@ from loraserve.adapters.format import CONFIG_FILE, SAFETENSORS_FILE
 from loraserve.adapters.spill import spill_dir
 from loraserve.server.errors import ApiError
 
+UPLOAD_PATHS = frozenset({"/v1/upload_lora_adapter", "/upload_lora_adapter"})
 FILE_PARTS = {"config": CONFIG_FILE, "weights": SAFETENSORS_FILE}
 TEXT_PARTS = ("lora_name", "replace", "pinned")
 MAX_TEXT_BYTES = 256
@@ -40,7 +41,7 @@ class UploadedAdapter:
         value = self.fields.get(name, "false").strip().lower()
         if value not in ("true", "false", "1", "0"):
             raise ApiError(400, f"{name} must be true or false, got {value[:20]!r}",
-                           "invalid_upload", param=name)
+                           "invalid_upload")
         return value in ("true", "1")
 
     def discard(self) -> None:
@@ -147,6 +148,5 @@ async def receive_adapter(request: Request, max_weights_bytes: int) -> UploadedA
     missing = [f for f in ("lora_name", *FILE_PARTS) if f not in writer.seen]
     if missing:
         upload.discard()
-        raise ApiError(400, f"missing form field(s): {', '.join(missing)}", "invalid_upload",
-                       param=missing[0])
+        raise ApiError(400, f"missing form field(s): {', '.join(missing)}", "invalid_upload")
     return upload
