@@ -41,7 +41,7 @@ class UploadedAdapter:
         value = self.fields.get(name, "false").strip().lower()
         if value not in ("true", "false", "1", "0"):
             raise ApiError(400, f"{name} must be true or false, got {value[:20]!r}",
-                           "invalid_upload")
+                           "invalid_upload", param=name)
         return value in ("true", "1")
 
     def discard(self) -> None:
@@ -148,5 +148,6 @@ async def receive_adapter(request: Request, max_weights_bytes: int) -> UploadedA
     missing = [f for f in ("lora_name", *FILE_PARTS) if f not in writer.seen]
     if missing:
         upload.discard()
-        raise ApiError(400, f"missing form field(s): {', '.join(missing)}", "invalid_upload")
+        raise ApiError(400, f"missing form field(s): {', '.join(missing)}", "invalid_upload",
+                       param=missing[0])
     return upload
