@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from loraserve.types import AdapterConflictError
+
 SEPARATOR = "@"
 
 
@@ -40,7 +42,8 @@ class VersionTable:
         deployment that numbers versions itself) if that is higher than any so far."""
         last = self._last.get(name, 0)
         if wanted is not None and wanted <= last:
-            raise ValueError(f"version {wanted} of {name!r} is not newer than version {last}")
+            raise AdapterConflictError(f"version {wanted} of {name!r} is not newer than its "
+                                       f"version {last}")
         return last + 1 if wanted is None else wanted
 
     def add(self, name: str, version: int, uid: int) -> None:

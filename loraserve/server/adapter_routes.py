@@ -61,7 +61,7 @@ async def load(ctx: ServerContext, request: Request) -> JSONResponse:
     check_name(ctx, body.lora_name)
     path = resolve_path(body.lora_path, ctx.settings.lora_root)
     return await _load(ctx, body.lora_name, path, body.pinned, body.replace,
-                       root=ctx.settings.lora_root)
+                       root=ctx.settings.lora_root, version=body.version)
 
 
 async def upload(ctx: ServerContext, request: Request) -> JSONResponse:
@@ -81,10 +81,12 @@ async def upload(ctx: ServerContext, request: Request) -> JSONResponse:
 
 
 async def _load(ctx: ServerContext, name: str, path: str, pinned: bool, replace: bool, *,
-                root: str | None = None, owned: bool = False) -> JSONResponse:
+                root: str | None = None, owned: bool = False,
+                version: int | None = None) -> JSONResponse:
     t0 = time.perf_counter()
     version = await ctx.aengine.load_lora_adapter(name, path, pinned=pinned, root=root,
-                                                  replace=replace, owned=owned)
+                                                  replace=replace, owned=owned,
+                                                  version=version)
     ctx.metrics.observe_load(name, time.perf_counter() - t0)
     log.info("adapter %s registered via the API from %s (pinned=%s)", label(name, version),
              "an upload" if owned else path, pinned)

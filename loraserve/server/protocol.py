@@ -161,6 +161,9 @@ class LoadLoraRequest(_Request):
     lora_path: str
     pinned: bool = False
     replace: bool = False  # a loaded name gets a new version (name@N); running requests stay
+    # the number to give the new version (a deployment of replicas numbers them alike); it
+    # must be newer than every earlier version of the name; default: the next one
+    version: int | None = Field(None, ge=1)
 
 
 class UnloadLoraRequest(_Request):
