@@ -62,6 +62,21 @@ def peft_greedy(base_dir: Path, adapter: Path | None, prompt: list[int], n: int)
     return hf_greedy(_MODELS[key], prompt, n)
 
 
+def prompt_logprobs(model, prompt: list[int], k: int) -> list[tuple[float, int, list]]:
+    """The reference scores of a prompt: per token after the first, (its logprob, its rank,
+    the top-k (token id, logprob)) from the HF/PEFT model's float32 log-softmax."""
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0].float()
+    logp = logits.log_softmax(-1)
+    out = []
+    for p in range(1, len(prompt)):
+        vals, idx = torch.topk(logp[p - 1], k)
+        lp = logp[p - 1, prompt[p]]
+        rank = int((logp[p - 1] > lp).sum()) + 1
+        out.append((lp.item(), rank, list(zip(idx.tolist(), vals.tolist(), strict=True))))
+    return out
+
+
 def run_until_done(eng, outs: dict | None = None, max_steps: int = 500) -> dict:
     """Step the engine until it is idle; finished outputs by request id."""
     outs = {} if outs is None else outs

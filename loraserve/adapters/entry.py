@@ -26,6 +26,8 @@ class AdapterEntry:
     last_used: int = 0  # LRU tick
     prefetched: bool = False  # brought in ahead of use and not used since: evicted first
     stats: AdapterStats = field(default_factory=AdapterStats)
+    version: int = 1  # the name's load count when this uid was minted (adapters/versions.py)
+    owned: bool = False  # `path` is the store's own copy (spill directory): removed with it
 
     @property
     def tier(self) -> str:
@@ -45,7 +47,7 @@ class AdapterEntry:
             pinned=self.pinned, refcount=self.refcount, registered=not self.unloading,
             last_error=self.last_error,
             rank=self.weights.rank if self.weights is not None else None,
-            fingerprint=self.fingerprint, stats=replace(self.stats))
+            fingerprint=self.fingerprint, stats=replace(self.stats), version=self.version)
 
 
 @dataclass(frozen=True)
@@ -63,3 +65,4 @@ class AdapterSnapshot:
     rank: int | None  # None while its weights are on disk only
     fingerprint: str
     stats: AdapterStats
+    version: int = 1  # `name@version` names exactly these weights

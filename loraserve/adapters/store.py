@@ -7,6 +7,9 @@ compute slots. Invariants (DESIGN.md §3):
 - pinned adapters and adapters in use (running or scheduled) are never evicted implicitly;
 - refcounts are acquired at admission and released exactly once (`release`); an unloaded
   adapter is unregistered at once and freed when its last request ends;
+- every load of a name is a new version with its own uid (adapters/versions.py); a replace
+  switches `name` to the new version in one step between engine steps, and old versions
+  retire (as an unload) once more than `max_versions` are live and nothing holds them;
 - a failed load changes nothing (validation happens before `register` commits);
 - every residency decision is made here, with its policy: disk reads start only in
   `prepare`, slots are filled only in `prepare` (prefetch) and `bind`; `is_ready` /
@@ -23,15 +26,18 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Mapping, Set
+from collections.abc import Set
 from types import MappingProxyType
 
 from loraserve.adapters.disk_loader import DiskLoader
-from loraserve.adapters.entry import AdapterEntry, AdapterSnapshot
+from loraserve.adapters.entry import AdapterEntry
 from loraserve.adapters.eviction import pick_victim
 from loraserve.adapters.format import LoraAdapterWeights
-from loraserve.adapters.residency import Residency, ResidencyLimits, SlotPool, residency_class
+from loraserve.adapters.residency import ResidencyLimits, SlotPool, residency_class
+from loraserve.adapters.spill import spill_dir
 from loraserve.adapters.stats import AdapterStats
+from loraserve.adapters.store_views import StoreViews
+from loraserve.adapters.versions import VersionTable, label, split_model
 from loraserve.types import (
     AdapterBusyError,
     AdapterConflictError,
@@ -43,24 +49,30 @@ from loraserve.types import (
 log = logging.getLogger("loraserve.adapters")
 
 
-class AdapterStore:
+class AdapterStore(StoreViews):
     def __init__(self, slot_pool: SlotPool, loader: DiskLoader, limits: ResidencyLimits, *,
-                 memory: str = "tiered", reserved_names: frozenset[str] = frozenset()):
-        """`memory`: the residency policy's name (adapters/residency/), chosen once here."""
+                 memory: str = "tiered", reserved_names: frozenset[str] = frozenset(),
+                 max_versions: int = 2):
+        """`memory`: the residency policy's name (adapters/residency/), chosen once here.
+        `max_versions`: live versions of one name beyond which idle old ones retire."""
+        if max_versions < 1:
+            raise ValueError("max_versions must be at least 1")
         self._loader = loader
         self._reserved_names = reserved_names  # the base model's names: never an adapter's
-        self._names: dict[str, int] = {}  # registered names only
+        self._versions = VersionTable()  # live versions: name / name@N -> uid
+        self.max_versions = max_versions
         self._entries: dict[int, AdapterEntry] = {}  # registered + draining
-        self._views = MappingProxyType(self._names), MappingProxyType(self._entries)
-        self._residency = residency_class(memory)(slot_pool, self._views[1], limits)
+        self._entries_view = MappingProxyType(self._entries)
+        self._residency = residency_class(memory)(slot_pool, self._entries_view, limits)
         self._uids = itertools.count(1)
         self._tick = itertools.count(1)
         self.loads_started = 0  # disk reads started ahead of admission
         self.slots_prefetched = 0  # spare slots filled ahead of admission
 
     # --- registration -----------------------------------------------------------------------
-    def check_new(self, name: str, path: str, pinned: bool) -> bool:
-        """Validate a load before any I/O. Returns True if it is a no-op (same name and path)."""
+    def check_new(self, name: str, path: str, pinned: bool, replace: bool = False) -> bool:
+        """Validate a load before any I/O. Returns True if it is a no-op (same name and path,
+        no replace). With `replace`, a loaded name gets a new version (its pin moves over)."""
         if not is_valid_adapter_name(name):
             raise LoraServeError(
                 f"invalid adapter name {name!r}: use 1-64 of [A-Za-z0-9._-], not only dots "
@@ -68,29 +80,37 @@ class AdapterStore:
         if name in self._reserved_names:
             raise LoraServeError(f"adapter name {name!r} is the base model's name: choose "
                                  "another")
-        uid = self._names.get(name)
-        existing = self._entries[uid] if uid is not None else None
-        if existing is not None and (
+        newest = self._versions.newest(name)
+        existing = self._entries[newest[1]] if newest is not None else None
+        if existing is not None and not replace and (
                 os.path.realpath(existing.path) != os.path.realpath(path)):
             raise AdapterConflictError(
-                f"adapter {name!r} is already loaded from {existing.path}; unload it "
-                "first to load a different path")
+                f"adapter {name!r} is already loaded from {existing.path}; send "
+                "\"replace\": true to load a new version of it, or unload it first")
         # Also when pinning an adapter already loaded: too many pins starve every other one.
+        # A replace moves the old version's pin to the new one: no pin more.
         newly_pinned = pinned and not (existing is not None and existing.pinned)
         if newly_pinned and not self._residency.pin_limit.allows(self.num_pinned + 1):
             raise LoraServeError(f"cannot pin {name!r}: {self._residency.pin_limit}")
-        return existing is not None
+        return existing is not None and not replace
 
     def register(self, name: str, path: str, weights: LoraAdapterWeights | None,
-                 pinned: bool = False, in_use: Set[int] = frozenset()) -> AdapterEntry:
+                 pinned: bool = False, in_use: Set[int] = frozenset(), *, replace: bool = False,
+                 version: int | None = None, owned: bool = False) -> AdapterEntry:
         """Commit an adapter whose weights were already read and validated (None: the same
-        name and path are registered already; this may pin it)."""
-        if self.check_new(name, path, pinned):
-            entry = self._entries[self._names[name]]
+        name and path are registered already; this may pin it). `replace`: a new version of
+        a loaded name. `version`: the number a deployment chose (else the next one).
+        `owned`: `path` is a copy in the spill directory, removed when the version is freed."""
+        if self.check_new(name, path, pinned, replace):
+            entry = self._entries[self._versions.newest(name)[1]]
             entry.pinned = entry.pinned or pinned
             return entry
         if weights is None:
             raise ValueError("a new adapter needs its weights")
+        number = self._versions.next_version(name, version)
+        previous = self._versions.newest(name)
+        old = self._entries[previous[1]] if previous is not None else None
+        pinned = pinned or (old is not None and old.pinned)
         # Host memory full of adapters in use: a pinned one must be resident (503, retry);
         # any other is registered on disk and read back when a request needs it, as after
         # an eviction (its files were validated already).
@@ -102,38 +122,60 @@ class AdapterStore:
                 "in use; retry shortly")
         entry = AdapterEntry(uid=next(self._uids), name=name, path=str(path),
                              fingerprint=weights.fingerprint, pinned=pinned,
-                             last_used=next(self._tick))
+                             last_used=next(self._tick), version=number, owned=owned)
         if resident:
-            self._residency.admit(entry, weights)  # may refuse them: then not registered
+            self._residency.admit(entry, weights)  # may refuse the weights: nothing changed
+        # the switch: from here on `name` means the new version
         self._entries[entry.uid] = entry
-        self._names[name] = entry.uid
-        log.info("adapter %s loaded (uid %d, rank %d, %s%s)", name, entry.uid, weights.rank,
-                 path, "" if resident else "; on disk until used: host memory is busy")
+        self._versions.add(name, number, entry.uid)
+        if old is not None:
+            old.pinned = False  # the pin moved to the new version
+        log.info("adapter %s loaded (uid %d, rank %d, %s%s)", label(name, number), entry.uid,
+                 weights.rank, path,
+                 "" if resident else "; on disk until used: host memory is busy")
+        self._retire_old_versions(name)
         return entry
 
-    def unregister(self, name: str) -> None:
-        uid = self._names.get(name)
-        if uid is None:
-            raise AdapterNotFoundError(f"adapter {name!r} is not loaded")
-        del self._names[name]
-        entry = self._entries[uid]
+    def unregister(self, model: str) -> None:
+        """Unload `name` (every version of it) or one version, `name@N`."""
+        name, version = split_model(model)
+        live = self._versions.live(name)
+        if not live or (version is not None and version not in live):
+            raise AdapterNotFoundError(f"adapter {model!r} is not loaded")
+        for v in [version] if version is not None else list(live):
+            self._retire(name, v)
+
+    def _retire(self, name: str, version: int) -> None:
+        """`name@version` takes no new requests; it is freed when its last one ends."""
+        entry = self._entries[self._versions.remove(name, version)]
         entry.unloading = True
-        log.info("adapter %s unloading (uid %d, %d requests in flight)", name, uid,
-                 entry.refcount)
+        log.info("adapter %s unloading (uid %d, %d requests in flight)", label(name, version),
+                 entry.uid, entry.refcount)
         if entry.refcount == 0:
             self._free(entry)
+
+    def _retire_old_versions(self, name: str) -> None:
+        """Versions of `name` older than its newest `max_versions` retire once nothing holds
+        them. Never waits: a held one retires when its last request releases it."""
+        live = self._versions.live(name)
+        for version, uid in list(live.items())[: -self.max_versions]:
+            if self._entries[uid].refcount == 0:
+                self._retire(name, version)
 
     def _free(self, entry: AdapterEntry) -> None:
         self._loader.cancel(entry.uid)
         self._residency.drop(entry)
         del self._entries[entry.uid]
-        log.info("adapter %s freed (uid %d)", entry.name, entry.uid)
+        if entry.owned:
+            spill_dir().remove(entry.path)
+        log.info("adapter %s freed (uid %d)", label(entry.name, entry.version), entry.uid)
 
     # --- refcounts --------------------------------------------------------------------------
-    def acquire(self, name: str) -> int:
-        uid = self._names.get(name)
+    def acquire(self, model: str) -> int:
+        """The uid `name` (its newest version) or `name@N` means now, refcount + 1."""
+        uid = self._versions.resolve(model)
         if uid is None:
-            raise AdapterNotFoundError(f"adapter {name!r} is not loaded")
+            raise AdapterNotFoundError(f"adapter {model!r} is not loaded")
         entry = self._entries[uid]
         entry.refcount += 1
         entry.stats.requests += 1
@@ -152,8 +194,11 @@ class AdapterStore:
         if entry.refcount <= 0:
             raise RuntimeError(f"adapter uid {uid} released more often than acquired")
         entry.refcount -= 1
-        if entry.unloading and entry.refcount == 0:
-            self._free(entry)
+        if entry.refcount == 0:
+            if entry.unloading:
+                self._free(entry)
+            else:
+                self._retire_old_versions(entry.name)
 
     # --- between steps: the residency decisions ---------------------------------------------
     def prepare(self, in_use: Set[int], upcoming: list[int]) -> dict[int, str]:
@@ -239,62 +284,12 @@ class AdapterStore:
         self.slots.before_step(out.values())  # GPU: the step waits for their copies
         return out
 
-    # --- read-only views --------------------------------------------------------------------
-    @property
-    def entries(self) -> Mapping[int, AdapterEntry]:
-        """uid -> entry, registered and draining (a read-only view; only the store changes
-        an entry)."""
-        return self._views[1]
-
-    @property
-    def names(self) -> Mapping[str, int]:
-        """Registered name -> uid (a read-only view)."""
-        return self._views[0]
-
-    @property
-    def residency(self) -> Residency:
-        """The residency policy, for its limits and views (`batch_cap`, `lookahead`,
-        `pin_limit`, `tier`, `check`); only the store calls its load, evict and bind steps."""
-        return self._residency
-
-    @property
-    def slots(self) -> SlotPool:
-        return self._residency.slots
-
-    @property
-    def loader(self) -> DiskLoader:
-        return self._loader
-
-    @property
-    def slot_owner(self) -> list[int | None]:
-        """uid in each slot (None: free); derived from the entries, the one record of it."""
-        return self._residency.slot_owner
-
-    def host_entries(self) -> list[AdapterEntry]:
-        """The adapters whose weights are in host memory."""
-        return [e for e in self._entries.values() if e.weights is not None]
-
-    @property
-    def num_host(self) -> int:
-        return len(self.host_entries())
-
-    @property
-    def num_pinned(self) -> int:
-        return sum(1 for e in self._entries.values() if e.pinned and not e.unloading)
-
-    @property
-    def num_registered(self) -> int:
-        return len(self._names)
-
-    def registered(self) -> list[AdapterEntry]:
-        return [self._entries[u] for u in self._names.values()]
-
-    def snapshot(self) -> tuple[AdapterSnapshot, ...]:
-        return tuple(e.snapshot(self._residency.tier(e)) for e in self._entries.values())
-
     def wait_for_loads(self, timeout: float) -> None:
         """Block up to `timeout` for a disk read to finish (when nothing else can run)."""
         self._loader.wait_any(timeout)
 
     def shutdown(self) -> None:
         self._loader.shutdown()
+        for e in self._entries.values():
+            if e.owned:
+                spill_dir().remove(e.path)

@@ -55,6 +55,9 @@ class EngineConfig:
         off_flag="--disable-unified-prefetch")
     max_loras_prefetch: int = knob(
         0, "spare slots filled ahead of time from the waiting queue")
+    max_adapter_versions: int = knob(
+        2, "live versions of one adapter name (name@N) beyond which old versions retire, "
+           "each once no request holds it")
     lora_backend: str | None = knob(
         None, "LoRA op backend: cpu (C kernel), torch, or triton (GPU); default: "
               "$LORASERVE_LORA_BACKEND, else cpu", LORA_BACKEND_NAMES)
@@ -97,6 +100,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_loras_per_batch < 1:
             raise ValueError("max_loras_per_batch must be >= 1")
+        if self.max_adapter_versions < 1:
+            raise ValueError("max_adapter_versions must be >= 1")
         if self.max_loaded_loras is not None and self.max_loaded_loras < 1:
             raise ValueError("max_loaded_loras must be >= 1 or None")
         if self.max_lora_rank < 1:

@@ -20,12 +20,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraserve.adapters.format import read_adapter
+from loraserve.adapters.spill import spill_dir
 from loraserve.engine import messages as M
 from loraserve.types import FinishReason, RequestOutput, SamplingParams
 
 log = logging.getLogger("loraserve.engine")
 
-_ACCEPTED = object()  # first item of a stream when add_request succeeded
+
+
+@dataclass(frozen=True)
+class _Accepted:
+    """First item of a stream when add_request succeeded."""
+
+    adapter_version: int | None  # the adapter version the request is bound to
+
+
 _STOP = object()  # ends the engine thread
 
 
@@ -47,6 +56,7 @@ class RequestStream:
         self._owner = owner
         self._q = q
         self.finished = False
+        self.adapter_version: int | None = None  # set once admitted (adapter requests)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -119,6 +129,7 @@ class AsyncEngine:
         if isinstance(first, BaseException):
             stream.finished = True
             raise first
+        stream.adapter_version = first.adapter_version
         return stream
 
     async def generate(self, prompt: M.Prompt, params: SamplingParams,
@@ -154,19 +165,29 @@ class AsyncEngine:
         return await self._ask(M.CheckInvariants())
 
     async def load_lora_adapter(self, name: str, path: str, pinned: bool = False,
-                                root: str | None = None) -> None:
-        """Validate off the engine thread, then commit between steps; a failure changes
-        nothing. `root`: every file read must resolve inside it (--lora-root)."""
-        same = await self._ask(M.CheckAdapterLoad(name, path, pinned))
-        weights = None
-        if not same:  # read + validate on an executor thread: decoding never stalls
-            info = self.info
-            weights = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: read_adapter(path, info.model_config,
-                                           max_lora_rank=info.max_lora_rank,
-                                           allow_pickle=info.allow_pickle_adapters,
-                                           root=root))
-        await self._ask(M.LoadAdapter(name, path, pinned, weights))
+                                root: str | None = None, *, replace: bool = False,
+                                version: int | None = None, owned: bool = False) -> int:
+        """Validate off the engine thread, then commit between steps (the switch of a replace
+        costs no step); a failure changes nothing. `root`: every file read must resolve
+        inside it (--lora-root). `owned`: `path` is a spill copy, which the store keeps as the
+        version's copy on disk, or which is removed here if the load fails. Returns the
+        version now serving under `name`."""
+        try:
+            same = await self._ask(M.CheckAdapterLoad(name, path, pinned, replace))
+            weights = None
+            if not same:  # read + validate on an executor thread: decoding never stalls
+                info = self.info
+                weights = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: read_adapter(path, info.model_config,
+                                               max_lora_rank=info.max_lora_rank,
+                                               allow_pickle=info.allow_pickle_adapters,
+                                               root=root))
+            return await self._ask(M.LoadAdapter(name, path, pinned, weights, replace, version,
+                                                 owned))
+        except BaseException:
+            if owned:
+                spill_dir().remove(path)
+            raise
 
     async def unload_lora_adapter(self, name: str) -> None:
         await self._ask(M.UnloadAdapter(name))
@@ -225,7 +246,8 @@ class AsyncEngine:
         if isinstance(cmd, M.AddRequest):
             if exc is None:
                 self._streams[cmd.request_id] = (env.loop, env.reply)
-            _put(env.loop, env.reply, exc if exc is not None else _ACCEPTED)
+            _put(env.loop, env.reply,
+                 exc if exc is not None else _Accepted(result.adapter_version))
         elif isinstance(cmd, M.AbortRequest):
             entry = self._streams.pop(cmd.request_id, None)
             if entry is not None and result is not None:

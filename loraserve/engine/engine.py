@@ -75,7 +75,8 @@ class LLMEngine:
         num_blocks -= graphs
         self.kv = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching)
         self.store = AdapterStore(self.slot_pool, DiskLoader(self.read_adapter), limits,
-                                  memory=c.lora_memory, reserved_names=frozenset({mc.name}))
+                                  memory=c.lora_memory, reserved_names=frozenset({mc.name}),
+                                  max_versions=c.max_adapter_versions)
         lora = create_lora_backend(self.slot_pool, c.lora_backend)
         attention = create_attention_backend(c.attention_backend, c.block_size, self.device)
         eos = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
@@ -217,11 +218,15 @@ class LLMEngine:
         namespace = BASE_NAMESPACE if uid is None else \
             adapter_namespace(self.store.fingerprint(uid))
         parent = self.requests.get(fork_of) if fork_of is not None else None
-        if parent is not None and (parent.prompt_token_ids != ids or parent.adapter_uid != uid):
-            parent = None  # not the same prompt under the same weights: nothing to share
+        if parent is not None and (parent.prompt_token_ids != ids or parent.adapter_uid != uid
+                                   or params.prompt_logprobs is not None):
+            # not the same prompt under the same weights, or its prompt's logits are wanted
+            parent = None
         req = Request(request_id, ids, params, adapter_uid=uid, lora_name=lora_name,
                       generator=gen, origin=origin, cache_namespace=namespace,
                       fork_parent=parent)
+        if uid is not None:  # the version it is bound to, for its outputs
+            req.adapter_version = self.store.entries[uid].version
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -242,15 +247,20 @@ class LLMEngine:
                             allow_pickle=self.config.allow_pickle_adapters)
 
     def load_lora_adapter(self, name: str, path: str | os.PathLike, pinned: bool = False,
-                          weights: LoraAdapterWeights | None = None) -> None:
-        """Register `name`. `weights` may be pre-read off-thread; else it is read here."""
+                          weights: LoraAdapterWeights | None = None, *, replace: bool = False,
+                          version: int | None = None, owned: bool = False) -> int:
+        """Register `name` (with `replace`: a new version of it). `weights` may be pre-read
+        off-thread; else it is read here. Returns the version now serving under `name`."""
         path = str(path)
-        if weights is None and not self.store.check_new(name, path, pinned):
+        if weights is None and not self.store.check_new(name, path, pinned, replace):
             weights = self.read_adapter(path)
-        self.store.register(name, path, weights, pinned,
-                            in_use=self.scheduler.running_adapters())
+        entry = self.store.register(name, path, weights, pinned,
+                                    in_use=self.scheduler.running_adapters(), replace=replace,
+                                    version=version, owned=owned)
+        return entry.version
 
     def unload_lora_adapter(self, name: str) -> None:
+        """Unload `name` (every version) or one version, `name@N`."""
         self.store.unregister(name)
 
     def snapshot(self) -> M.EngineSnapshot:
@@ -276,9 +286,11 @@ class LLMEngine:
             case M.AbortRequest():
                 return self.abort(cmd.request_id)
             case M.CheckAdapterLoad():
-                return self.store.check_new(cmd.name, cmd.path, cmd.pinned)
+                return self.store.check_new(cmd.name, cmd.path, cmd.pinned, cmd.replace)
             case M.LoadAdapter():
-                return self.load_lora_adapter(cmd.name, cmd.path, cmd.pinned, cmd.weights)
+                return self.load_lora_adapter(cmd.name, cmd.path, cmd.pinned, cmd.weights,
+                                              replace=cmd.replace, version=cmd.version,
+                                              owned=cmd.owned)
             case M.UnloadAdapter():
                 return self.unload_lora_adapter(cmd.name)
             case M.GetSnapshot():

@@ -11,6 +11,7 @@ from typing import TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from loraserve.adapters.versions import split_model
 from loraserve.engine.async_engine import AsyncEngine
 from loraserve.server.errors import ApiError, validation_error
 from loraserve.server.metrics import ServerMetrics
@@ -66,7 +67,7 @@ class ServerContext:
             if base not in self.base_names:
                 raise self.model_not_found(model)
             name = adapter
-        if not is_valid_adapter_name(name):
+        if not is_valid_adapter_name(split_model(name)[0]):  # name or name@N
             raise self.model_not_found(model)
         return name
 

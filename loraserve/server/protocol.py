@@ -64,6 +64,9 @@ class _SamplingFields(_Request):
     top_k: int = -1
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # per prompt token: its logprob and the top k (vLLM); the prompt is computed, not reused
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (vLLM)
 
     @field_validator("stop")
     @classmethod
@@ -96,7 +99,7 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptField
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: score the prompt only (prompt_logprobs)
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = None
 
@@ -104,6 +107,9 @@ class CompletionRequest(_SamplingFields):
     def _checks(self):
         if self.best_of not in (None, 1, self.n):
             raise invalid("best_of", "best_of: only 1 or n is supported")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise invalid("max_tokens", "max_tokens=0 only scores the prompt: set "
+                                        "prompt_logprobs, or ask for at least one token")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -154,6 +160,10 @@ class LoadLoraRequest(_Request):
     lora_name: str
     lora_path: str
     pinned: bool = False
+    replace: bool = False  # a loaded name gets a new version (name@N); running requests stay
+    # the number to give the new version (a deployment of replicas numbers them alike); it
+    # must be newer than every earlier version of the name; default: the next one
+    version: int | None = Field(None, ge=1)
 
 
 class UnloadLoraRequest(_Request):

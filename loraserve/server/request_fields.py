@@ -20,7 +20,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "use_beam_search": (False,), "guided_json": (), "guided_regex": (), "guided_choice": (),
     "guided_grammar": (), "json_schema": (), "regex": (), "ebnf": (), "bad_words": ([],),
     "structured_outputs": (), "guided_decoding_backend": (),
-    "allowed_token_ids": (), "prompt_logprobs": (), "truncate_prompt_tokens": (),
+    "allowed_token_ids": (), "truncate_prompt_tokens": (),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "include_stop_str_in_output": (False,), "prediction": (), "audio": (),
     "modalities": (["text"],), "reasoning_effort": (), "web_search_options": (),

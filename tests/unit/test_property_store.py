@@ -76,13 +76,14 @@ class StoreMachine(RuleBasedStateMachine):
         return (dict(s.names), {u: (e.weights is not None, e.slot, e.pinned, e.refcount)
                                 for u, e in s.entries.items()})
 
-    @rule(name=st.sampled_from(NAMES), pinned=st.booleans(), new_weights=st.booleans())
-    def load(self, name, pinned, new_weights):
+    @rule(name=st.sampled_from(NAMES), pinned=st.booleans(), new_weights=st.booleans(),
+          replace=st.booleans())
+    def load(self, name, pinned, new_weights, replace):
         path = f"/p/{name}" + ("-v2" if new_weights else "")
         before = self._state()
-        try:
+        try:  # replace: a new version; the old ones retire once idle and beyond the limit
             self.store.register(name, path, weights(path.rsplit("/", 1)[1]), pinned,
-                                in_use=self.running)
+                                in_use=self.running, replace=replace)
         except LoraServeError:  # conflict, pin cap, host full of busy adapters
             assert self._state() == before, "a refused load changed the store"
 
@@ -146,7 +147,7 @@ class StoreMachine(RuleBasedStateMachine):
         for uid, e in s.entries.items():
             if e.pinned and e.weights is not None:
                 self.pinned_resident.add(uid)
-            if uid in self.pinned_resident:
+            if uid in self.pinned_resident and e.pinned:  # a replace moves the pin on
                 assert e.weights is not None, "a pinned adapter was evicted"
             if uid in self.running:
                 assert e.weights is not None, "a running adapter lost its weights"
