@@ -7,6 +7,8 @@
 #ifndef LORASERVE_TUNING_H
 #define LORASERVE_TUNING_H
 
+#include "simd.h" /* the prefetch hints PF_L1, PF_L2, PF_NT */
+
 /* ---- GEMM register tiles (ops/gemm_tile.h) ----------------------------------------------- */
 
 #ifdef __AVX512F__
@@ -42,8 +44,8 @@
 /* ---- The fused decode op's fetch streams (lora/fused_tile.h) ----------------------------- */
 
 /* A stream fetches one line every FETCH_STRIDE k steps, or every FETCH_STRIDE / 2, or every
- * step: the widest that fits its lines in K. A line per step, all at the start of K, crowded
- * the FMAs' loads (kernel_ab.py decode-op) */
+ * step: the widest that fits its lines in K, so the fetches spread over the tile's K loop (a
+ * line per step, all at the start of K, was slower) (kernel_ab.py decode-op) */
 #define FETCH_STRIDE 4
 #ifdef __AVX512F__
 /* the next unit's panels and the adapter lines both into L2: L1 measured the same, and
