@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 SERVE_STAMP := $(VENV)/.installed-serve
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: serve test lint bench venv venv-dev clean
+.PHONY: serve test test-fast lint bench venv venv-dev clean
 
 $(SERVE_STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -32,6 +32,10 @@ serve: $(SERVE_STAMP)
 
 test: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q -x
+
+# the inner loop: no servers, no Ray, no hypothesis, no end-to-end runs of the bundled model
+test-fast: $(DEV_STAMP)
+	$(BIN)/python -m pytest -q -x -m "not server and not cluster and not property and not slow"
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
