@@ -56,13 +56,10 @@ def cluster(files):
 @pytest.fixture(scope="module")
 def single(files):
     """A single server with the same adapters and flags: the reference for every answer."""
-    s = ServerProcess(files["model"], "--lora-paths", f"sql={files['sql']}",
-                      f"chat={files['chat']}", "--allow-runtime-lora-updates",
-                      "--max-loaded-loras", "4", log_dir=files["root"])
-    try:
-        yield s.wait_ready()
-    finally:
-        s.stop()
+    with ServerProcess(files["model"], "--lora-paths", f"sql={files['sql']}",
+                       f"chat={files['chat']}", "--allow-runtime-lora-updates",
+                       "--max-loaded-loras", "4", log_dir=files["root"]) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

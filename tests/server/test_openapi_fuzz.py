@@ -21,15 +21,12 @@ SKIP = {"/metrics"}  # Prometheus text, nothing to fuzz
 def server(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
     make_peft_adapter(tiny_model_dir, root / "loras" / "a", r=4, seed=3)
-    s = ServerProcess(tiny_model_dir, "--allow-runtime-lora-updates", "--lora-root",
-                      str(root / "loras"), "--lora-paths", f"a={root / 'loras' / 'a'}",
-                      "--max-tokens-limit", "8", "--max-n", "2",
-                      "--max-prompt-tokens", "64", "--kv-cache-tokens", "1024",
-                      log_dir=root)
-    try:
-        yield s.wait_ready()
-    finally:
-        s.stop()
+    with ServerProcess(tiny_model_dir, "--allow-runtime-lora-updates", "--lora-root",
+                       str(root / "loras"), "--lora-paths", f"a={root / 'loras' / 'a'}",
+                       "--max-tokens-limit", "8", "--max-n", "2",
+                       "--max-prompt-tokens", "64", "--kv-cache-tokens", "1024",
+                       log_dir=root) as s:
+        yield s
 
 
 def check_answer(case, r) -> None:

@@ -17,12 +17,9 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("request_fields")
-    s = ServerProcess(make_tiny_llama(root / "model"), "--allow-runtime-lora-updates",
-                      log_dir=root)
-    try:
-        yield s.wait_ready()
-    finally:
-        s.stop()
+    with ServerProcess(make_tiny_llama(root / "model"), "--allow-runtime-lora-updates",
+                       log_dir=root) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
