@@ -3,8 +3,9 @@
 Every projection of one decode step on SmolLM2 shapes with its LoRA work (16 adapters of ranks
 8/16/32/64 on all seven modules, the step's tokens spread evenly), and the GEMMs alone; per
 group of projections, each side's median and the median over rounds of B - A. The source
-#includes ../ops/gemm_cpu.c and sgmv_cpu.c beside it, so an older revision is compared from a
-worktree of it (`git worktree add /tmp/old REV`).
+includes headers from ops/ and lora/ (ops/gemm_tile.h, lora/fused_tile.h, ...) resolved
+beside it, so an older revision is compared from a worktree of it
+(`git worktree add /tmp/old REV`).
 
 --engine: whole runs of multi_lora.py's workload in the engine (64 requests, 128 in, 64 out,
 over 16 adapters), the engine's decode op switched between A and B run by run, base-only runs
