@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -73,6 +74,9 @@ def compile_once(cc: str, source: Path, flags: list[str]) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    # a first start compiles several kernels, seconds each: say what the wait is
+    log.info("building the %s kernel for this CPU (once, into %s)", source.stem, out.parent)
+    start = time.monotonic()
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     try:
@@ -82,6 +86,7 @@ def compile_once(cc: str, source: Path, flags: list[str]) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    log.info("built the %s kernel in %.1f s", source.stem, time.monotonic() - start)
     return out
 
 
