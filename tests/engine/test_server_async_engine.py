@@ -103,3 +103,23 @@ def test_idle_thread_does_not_spin(aengine):
     t0 = time.clock_gettime(clock)
     time.sleep(0.5)
     assert time.clock_gettime(clock) - t0 < 0.02  # blocked on the command queue
+
+
+def test_client_id_reaches_the_request(aengine):
+    """The tenant that sent a request (the API key's name) is on the engine's Request."""
+    sp = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        stream = await aengine.add_request("hello", sp, request_id="tenant-req",
+                                           client_id="tenant-a")
+        try:
+            assert aengine.engine.requests["tenant-req"].client_id == "tenant-a"
+        finally:
+            stream.abort()
+        stream = await aengine.add_request("hello", sp, request_id="anon-req")
+        try:
+            assert aengine.engine.requests["anon-req"].client_id is None
+        finally:
+            stream.abort()
+
+    asyncio.run(main())
