@@ -23,11 +23,23 @@ from pathlib import Path
 
 import torch
 
-from loraserve.adapters.peft.files import check_inside, check_safetensors, max_weights_bytes
-from loraserve.adapters.peft.regex_guard import unsafe_reason
+from loraserve.adapters.peft.budget import (
+    MAX_CONFIG_BYTES,
+    LoadBudget,
+    check_config_shape,
+    check_pattern_count,
+)
+from loraserve.adapters.peft.file_errors import os_errors_as_load_errors
+from loraserve.adapters.peft.files import (
+    check_inside,
+    max_weights_bytes,
+    open_safetensors,
+    read_limited,
+)
 from loraserve.adapters.peft.targets import (
     FUSED_MODULES,
     KNOWN_MODULES,
+    compile_patterns,
     full_name,
     parent_of,
     resolve_targets,
@@ -88,15 +100,19 @@ def read_adapter_config(
     path: str | os.PathLike, model_config: ModelConfig | None = None, *,
     max_lora_rank: int | None = None,
 ) -> dict:
-    """Parse and validate adapter_config.json; with `model_config`, also check that its targets
-    exist in the model (and, with `max_lora_rank`, that every targeted rank fits)."""
-    cfg, _ = _read_config(path)
-    if model_config is not None:
-        resolve_targets(cfg, model_config, path, max_lora_rank)
+    """Parse and validate adapter_config.json (its regexes compiled, within the load's
+    bounds); with `model_config`, also check that its targets exist in the model (and, with
+    `max_lora_rank`, that every targeted rank fits)."""
+    with os_errors_as_load_errors(path):
+        budget = LoadBudget()
+        cfg, _ = _read_config(path, None, budget)
+        if model_config is not None:
+            resolve_targets(cfg, model_config, path, max_lora_rank, budget)
     return cfg
 
 
-def _read_config(path: str | os.PathLike, root: str | None = None) -> tuple[dict, bytes]:
+def _read_config(path: str | os.PathLike, root: str | None,
+                 budget: LoadBudget) -> tuple[dict, bytes]:
     """The parsed config and its bytes (read once: the fingerprint covers what was parsed)."""
     p = Path(path)
     if not p.exists():
@@ -107,14 +123,20 @@ def _read_config(path: str | os.PathLike, root: str | None = None) -> tuple[dict
     if not cfg_file.is_file():
         raise _fail(path, f"missing {CONFIG_FILE}")
     check_inside(cfg_file, root, path)
-    raw = cfg_file.read_bytes()
+    raw = read_limited(cfg_file, MAX_CONFIG_BYTES, path, "an adapter config (size bound)")
     try:
         cfg = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise _fail(path, f"invalid JSON in {CONFIG_FILE}: {e}") from None
+    except RecursionError:
+        raise _fail(path, f"{CONFIG_FILE} nests too deeply (the per-load depth bound)") from None
+    except ValueError as e:  # e.g. an integer of over 4300 digits
+        raise _fail(path, f"invalid JSON in {CONFIG_FILE}: {e}") from None
     if not isinstance(cfg, dict):
         raise _fail(path, f"{CONFIG_FILE} must hold a JSON object")
+    check_config_shape(cfg, path)
     _validate_config(cfg, path)
+    compile_patterns(cfg, path, budget)
     return cfg, raw
 
 
@@ -137,6 +159,7 @@ def _validate_config(cfg: dict, path: object) -> None:
         raise _fail(path, f"modules_to_save {cfg['modules_to_save']!r} is not supported yet")
     if cfg.get("bias", "none") != "none":
         raise _fail(path, f"bias={cfg['bias']!r} is not supported yet (only 'none')")
+    check_pattern_count(cfg, path)
     tm = cfg.get("target_modules")
     _check_patterns(tm, "target_modules", path, list_ok=bool(tm))
     _check_patterns(cfg.get("exclude_modules"), "exclude_modules", path, none_ok=True)
@@ -160,25 +183,25 @@ def _validate_config(cfg: dict, path: object) -> None:
 
 
 def _check_patterns(value, field: str, path: object, list_ok=True, none_ok=False) -> None:
-    """A regex string, or (if list_ok) a list of strings; every one must compile."""
+    """A regex string, or (if list_ok) a list of strings (targets.compile_patterns compiles
+    them)."""
     if value is None and none_ok:
         return
     items = value if list_ok and isinstance(value, list) else [value]
     if not all(isinstance(v, str) for v in items) or (not items and not none_ok):
-        raise _fail(path, f"{field} must be a regex string or a list of strings, got {value!r}")
-    for v in items:
-        if (why := unsafe_reason(v)) is not None:
-            raise _fail(path, f"{field} regex {v[:80]!r} is refused: {why}")
+        raise _fail(path, f"{field} must be a regex string or a list of strings, got "
+                          f"{str(value)[:80]!r}")
 
 
 def _load_tensors(p: Path, path: object, allow_pickle: bool, root: str | None,
-                  max_bytes: int) -> tuple[dict, bytes]:
+                  mc: ModelConfig, max_bytes: int) -> tuple[dict, bytes]:
     """The weights file's tensors and its bytes (read once, so both agree)."""
     st, pkl = p / SAFETENSORS_FILE, p / PICKLE_FILE
     if st.is_file():
         check_inside(st, root, path)
-        check_safetensors(st, path, max_bytes)
-        data = st.read_bytes()
+        entries, data = open_safetensors(st, path, max_bytes, mc)
+        for e in entries:  # names are refused from the header, before any tensor is made
+            _parse_key(e.name, path)
         try:
             from safetensors.torch import load
 
@@ -190,9 +213,7 @@ def _load_tensors(p: Path, path: object, allow_pickle: bool, root: str | None,
             raise _fail(path, f"only a pickle {PICKLE_FILE} found; pickle files can run code, "
                               f"convert it to {SAFETENSORS_FILE} or allow pickle adapters")
         check_inside(pkl, root, path)
-        if pkl.stat().st_size > max_bytes:
-            raise _fail(path, f"{PICKLE_FILE} is larger than an adapter of this model can be")
-        data = pkl.read_bytes()
+        data = read_limited(pkl, max_bytes, path, "an adapter of this model")
         try:
             tensors = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as e:
@@ -227,15 +248,24 @@ def _parse_key(key: str, path: object) -> tuple[int, str, str]:
 
 def read_adapter(
     path: str | os.PathLike, model_config: ModelConfig, *, max_lora_rank: int,
-    allow_pickle: bool = False, root: str | None = None,
+    allow_pickle: bool = False, root: str | None = None, budget: LoadBudget | None = None,
 ) -> LoraAdapterWeights:
     """Read and fully validate a PEFT LoRA adapter directory into float32 host tensors.
     `root`: every file read must resolve inside it. The fingerprint covers the config and the
-    weights: either changing makes another adapter."""
-    cfg, raw_cfg = _read_config(path, root)
-    plan = resolve_targets(cfg, model_config, path, max_lora_rank)
-    tensors, data = _load_tensors(Path(path), path, allow_pickle, root,
+    weights: either changing makes another adapter. `budget`: the load's time bound (and the
+    server's cancel switch); a fresh one by default."""
+    with os_errors_as_load_errors(path):
+        return _read_adapter(path, model_config, max_lora_rank, allow_pickle, root,
+                             budget or LoadBudget())
+
+
+def _read_adapter(path, model_config: ModelConfig, max_lora_rank: int, allow_pickle: bool,
+                  root: str | None, budget: LoadBudget) -> LoraAdapterWeights:
+    cfg, raw_cfg = _read_config(path, root, budget)
+    plan = resolve_targets(cfg, model_config, path, max_lora_rank, budget)
+    tensors, data = _load_tensors(Path(path), path, allow_pickle, root, model_config,
                                   max_weights_bytes(model_config, max_lora_rank))
+    budget.check(path, "reading the weights")
     fingerprint = hashlib.sha256(hashlib.sha256(raw_cfg).digest() + data).hexdigest()
     n_layers = model_config.num_hidden_layers
     pairs: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}

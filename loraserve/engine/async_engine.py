@@ -19,9 +19,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from loraserve.adapters.daemon_pool import DaemonPool
 from loraserve.adapters.format import read_adapter
+from loraserve.adapters.peft.budget import LoadBudget
 from loraserve.engine import messages as M
-from loraserve.types import FinishReason, RequestOutput, SamplingParams
+from loraserve.types import (
+    AdapterLoadCancelledError,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+)
 
 log = logging.getLogger("loraserve.engine")
 
@@ -80,6 +87,10 @@ class AsyncEngine:
         self._idle_poll_s = idle_poll_s
         self._thread: threading.Thread | None = None
         self.errors = 0  # unexpected step failures survived (for tests and metrics)
+        # admin loads: read on daemon threads, within a budget that shutdown cancels
+        self._loads: DaemonPool | None = None
+        self._closing = threading.Event()
+        self._reads: set[asyncio.Future] = set()  # admin loads waiting for their read
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -87,7 +98,17 @@ class AsyncEngine:
             self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
             self._thread.start()
 
+    def cancel_loads(self) -> None:
+        """End admin loads in progress with a 503 now (event loop thread); their reads stop
+        at their next budget check, and no read holds the process at exit (daemon threads)."""
+        self._closing.set()
+        for read in list(self._reads):
+            read.cancel()
+
     def shutdown(self, timeout: float = 10.0) -> None:
+        self.cancel_loads()
+        if self._loads is not None:
+            self._loads.shutdown()
         if self._thread is not None:
             self._cmds.put(_STOP)
             self._thread.join(timeout)
@@ -160,13 +181,26 @@ class AsyncEngine:
         nothing. `root`: every file read must resolve inside it (--lora-root)."""
         same = await self._ask(M.CheckAdapterLoad(name, path, pinned))
         weights = None
-        if not same:  # read + validate on an executor thread: decoding never stalls
+        if not same:  # read + validate on a worker thread: decoding never stalls
             info = self.info
-            weights = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: read_adapter(path, info.model_config,
-                                           max_lora_rank=info.max_lora_rank,
-                                           allow_pickle=info.allow_pickle_adapters,
-                                           root=root))
+            if self._loads is None:
+                self._loads = DaemonPool(2, "lora-admin-load")
+            budget = LoadBudget(cancelled=self._closing)
+            read = asyncio.wrap_future(self._loads.submit(
+                lambda: read_adapter(path, info.model_config, max_lora_rank=info.max_lora_rank,
+                                     allow_pickle=info.allow_pickle_adapters, root=root,
+                                     budget=budget)))
+            self._reads.add(read)
+            try:
+                weights = await read
+            except asyncio.CancelledError:
+                if not self._closing.is_set():
+                    raise  # the caller went away
+                raise AdapterLoadCancelledError(
+                    f"adapter {name!r}: the load was cancelled (the server is shutting "
+                    "down); retry on another replica or later") from None
+            finally:
+                self._reads.discard(read)
         await self._ask(M.LoadAdapter(name, path, pinned, weights))
 
     async def unload_lora_adapter(self, name: str) -> None:

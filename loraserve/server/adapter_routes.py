@@ -23,6 +23,8 @@ from loraserve.server.errors import ApiError
 from loraserve.types import is_valid_adapter_name
 
 log = logging.getLogger("loraserve.server")
+MAX_PATH_BYTES = 4095  # Linux's PATH_MAX less the terminating NUL
+MAX_NAME_BYTES = 255  # one path component (NAME_MAX)
 
 
 def check_name(ctx: ServerContext, name: str) -> None:
@@ -40,6 +42,12 @@ def resolve_path(path: str, root: str | None) -> str:
     escape: containment is checked on the fully resolved path)."""
     if not path or "\x00" in path:
         raise ApiError(400, "lora_path is empty or invalid", "invalid_adapter_path")
+    size = len(path.encode("utf-8", "surrogatepass"))
+    longest = max(len(part.encode("utf-8", "surrogatepass")) for part in path.split("/"))
+    if size > MAX_PATH_BYTES or longest > MAX_NAME_BYTES:
+        raise ApiError(400, f"lora_path is too long ({size} bytes, its longest part {longest}); "
+                            f"the limits are {MAX_PATH_BYTES} bytes and {MAX_NAME_BYTES} per "
+                            "part", "invalid_adapter_path")
     if root is None:
         return os.path.realpath(path)
     if ".." in path.replace("\\", "/").split("/"):

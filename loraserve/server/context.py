@@ -40,9 +40,11 @@ class ServerContext:
         if self.draining:
             return
         self.draining = True
-        asyncio.get_running_loop().call_later(
+        loop = asyncio.get_running_loop()
+        loop.call_later(
             timeout_s, self.aengine.abort_all,
             f"the server shut down before this request finished ({timeout_s:g} s drain)")
+        loop.call_later(timeout_s, self.aengine.cancel_loads)
 
     def __post_init__(self) -> None:
         info = self.aengine.info

@@ -123,3 +123,31 @@ def test_client_id_reaches_the_request(aengine):
             stream.abort()
 
     asyncio.run(main())
+
+
+def test_cancel_loads_answers_a_stuck_admin_load_at_once(aengine, monkeypatch, tmp_path):
+    """At the end of the drain a load still reading (a hung disk) gets a 503 at once."""
+    import threading
+    import time
+
+    from loraserve.types import AdapterLoadCancelledError
+
+    release = threading.Event()
+    monkeypatch.setattr("loraserve.engine.async_engine.read_adapter",
+                        lambda *a, **kw: release.wait(60))
+
+    async def main():
+        load = asyncio.create_task(aengine.load_lora_adapter("stuck", str(tmp_path)))
+        await asyncio.sleep(0.2)
+        assert not load.done()
+        t0 = time.monotonic()
+        aengine.cancel_loads()
+        with pytest.raises(AdapterLoadCancelledError) as ei:
+            await load
+        assert ei.value.status == 503 and time.monotonic() - t0 < 5
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        aengine._closing.clear()  # the module's engine serves the other tests
