@@ -143,6 +143,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log = logging.getLogger("loraserve.server")
     try:
         settings = settings_from_args(args)  # refuses unsafe flag combinations
+        if settings.api_keys_file:  # a bad keys file stops the start, in one line
+            from loraserve.server.api_keys import KeyRing
+
+            KeyRing(settings.api_keys_file, (settings.api_key, settings.admin_api_key))
     except ValueError as e:
         raise usage_error("serve", str(e)) from e
     config = engine_config_from_args(args)

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 
 from loraserve.engine.messages import EngineSnapshot
 from loraserve.server import protocol as P
+from loraserve.server.api_keys import Tenant
 from loraserve.server.context import ServerContext, parse_body
 from loraserve.server.errors import ApiError
 from loraserve.types import is_valid_adapter_name
@@ -88,14 +89,18 @@ async def _listing(ctx: ServerContext, message: str) -> JSONResponse:
                          "object": "list", "data": cards})
 
 
-def model_cards(ctx: ServerContext, snap: EngineSnapshot, operator: bool) -> list[dict]:
+def model_cards(ctx: ServerContext, snap: EngineSnapshot, operator: bool,
+                tenant: Tenant | None = None) -> list[dict]:
     """The model list. `root` is where the weights live for the operator, and the model's or
-    adapter's own name for everyone else (server paths are the operator's business)."""
+    adapter's own name for everyone else (server paths are the operator's business). A tenant
+    sees only what it may use."""
     base = ctx.model_name
     root = ctx.model_path if operator else base
-    cards = [P.model_card(base, root=root, parent=None, tier="device", pinned=True)]
+    cards = []
+    if tenant is None or tenant.may_use(None):
+        cards.append(P.model_card(base, root=root, parent=None, tier="device", pinned=True))
     for a in snap.adapters:
-        if a.registered:
+        if a.registered and (tenant is None or tenant.may_use(a.name)):
             cards.append(P.model_card(a.name, root=a.path if operator else a.name, parent=base,
                                       tier=a.tier,
                                       pinned=a.pinned, rank=a.rank, in_flight=a.refcount))

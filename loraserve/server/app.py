@@ -1,7 +1,7 @@
 """The FastAPI app: OpenAI-compatible routes over an AsyncEngine.
 
-Middleware order (outermost first): API keys, then the body size limit — so neither an
-unauthenticated nor an oversized request gets its body read.
+Middleware order (outermost first): API keys, then the tenants' limits, then the body size
+limit — so no unauthenticated, over-limit or oversized request gets its body read.
 """
 
 from __future__ import annotations
@@ -18,12 +18,18 @@ from loraserve.server.context import ServerContext
 from loraserve.server.errors import install_error_handlers
 from loraserve.server.limits import BodyLimitMiddleware
 from loraserve.server.openapi import openapi_schema
+from loraserve.server.quotas import QuotaMiddleware, TenantCollector
 from loraserve.server.settings import ServerSettings
+from loraserve.server.tenant_routes import reload_api_keys
 
 
-def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None,
+               enforce_quotas: bool = True) -> FastAPI:
+    """`enforce_quotas=False`: a replica behind an ingress, which enforces them for all."""
     settings = settings or ServerSettings()
     ctx = ServerContext(async_engine, settings)
+    if enforce_quotas:
+        ctx.metrics.registry.register(TenantCollector(ctx.quotas, ctx.keys))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -39,7 +45,9 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
     install_error_handlers(app)
     # add_middleware prepends: the last added is the outermost.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
-    app.add_middleware(AuthMiddleware, settings=settings)
+    if enforce_quotas:
+        app.add_middleware(QuotaMiddleware, gate=ctx.quotas)
+    app.add_middleware(AuthMiddleware, settings=settings, keys=ctx.keys)
 
     @app.get("/health")
     async def health() -> Response:
@@ -58,8 +66,13 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         snap = await async_engine.snapshot()
-        cards = adapter_routes.model_cards(ctx, snap, request.state.operator)
+        cards = adapter_routes.model_cards(ctx, snap, request.state.operator,
+                                           request.state.tenant)
         return JSONResponse({"object": "list", "data": cards})
+
+    @app.post("/v1/reload_api_keys")
+    async def reload_keys() -> Response:
+        return reload_api_keys(ctx)
 
     for prefix in ("/v1", ""):
         app.add_api_route(f"{prefix}/load_lora_adapter", _bind(adapter_routes.load, ctx),

@@ -12,8 +12,10 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from loraserve.engine.async_engine import AsyncEngine
+from loraserve.server.api_keys import KeyRing, Tenant
 from loraserve.server.errors import ApiError, validation_message
 from loraserve.server.metrics import ServerMetrics
+from loraserve.server.quotas import QuotaGate
 from loraserve.server.settings import ServerSettings
 from loraserve.types import is_valid_adapter_name
 
@@ -47,6 +49,9 @@ class ServerContext:
         loop.call_later(timeout_s, self.aengine.cancel_loads)
 
     def __post_init__(self) -> None:
+        s = self.settings
+        self.keys = KeyRing(s.api_keys_file, reserved=(s.api_key, s.admin_api_key))
+        self.quotas = QuotaGate()
         info = self.aengine.info
         self.model_name: str = info.model_name
         self.model_path: str = info.model_path
@@ -58,8 +63,15 @@ class ServerContext:
     def tokenizer(self):
         return self.aengine.tokenizer
 
-    def resolve_model(self, model: str | None) -> str | None:
-        """`model` -> adapter name, or None for the base model. Unknown names: 404."""
+    def resolve_model(self, model: str | None, tenant: Tenant | None = None) -> str | None:
+        """`model` -> adapter name, or None for the base model. Unknown names, and names
+        outside the tenant's scope (it cannot tell them from unknown ones): 404."""
+        name = self._resolve(model)
+        if tenant is not None and not tenant.may_use(name):
+            raise self.model_not_found(model or self.model_name)
+        return name
+
+    def _resolve(self, model: str | None) -> str | None:
         if model is None or model in self.base_names:
             return None
         name = model

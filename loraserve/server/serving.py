@@ -20,13 +20,14 @@ from loraserve.server.context import ServerContext, parse_body
 from loraserve.server.errors import ApiError, error_body
 from loraserve.server.formatting import DeltaTracker, LogprobFormatter, full_choice, is_error, sse
 from loraserve.server.metrics import RequestTimer
+from loraserve.server.quotas import record_usage
 from loraserve.types import SEED_RANGE, AdapterNotFoundError, SamplingParams
 
 
 async def completions(ctx: ServerContext, request: Request) -> Response:
     ctx.check_accepting()
     req = await parse_body(request, P.CompletionRequest)
-    lora = ctx.resolve_model(req.model)
+    lora = ctx.resolve_model(req.model, _tenant(request))
     prompts = req.prompts()
     if len(prompts) > ctx.settings.max_prompts:
         raise ApiError(400, f"{len(prompts)} prompts in one request; the limit is "
@@ -40,7 +41,7 @@ async def completions(ctx: ServerContext, request: Request) -> Response:
 async def chat_completions(ctx: ServerContext, request: Request) -> Response:
     ctx.check_accepting()
     req = await parse_body(request, P.ChatCompletionRequest)
-    lora = ctx.resolve_model(req.model)
+    lora = ctx.resolve_model(req.model, _tenant(request))
     _check_n(ctx, req.n)
     ids = await _tokenize(ctx, req.message_dicts())
     max_tokens = req.max_new_tokens
@@ -53,6 +54,12 @@ async def chat_completions(ctx: ServerContext, request: Request) -> Response:
 
 
 # --- validation -------------------------------------------------------------------------------
+
+
+def _tenant(request: Request):
+    """The tenant whose key sent the request (api_keys.py), or None."""
+    return request.scope.get("state", {}).get("tenant")
+
 
 
 def _check_n(ctx: ServerContext, n: int) -> None:
@@ -108,7 +115,7 @@ def _nth_seed(seed: int, j: int) -> int:
 
 
 async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: SamplingParams,
-                  lora: str | None) -> list[RequestStream]:
+                  lora: str | None, client_id: str | None) -> list[RequestStream]:
     """Admit prompts x n sequences, all or none. Choice index = prompt * n + j."""
     base_id = P.new_id("cmpl")
     jobs = []
@@ -119,7 +126,8 @@ async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: Samplin
             # choice 0 computes the prompt; the others fork from its K/V (copy-on-write)
             jobs.append(ctx.aengine.add_request(prompt, sp, lora, f"{base_id}-{i}-{j}",
                                                 origin=base_id,
-                                                fork_of=f"{base_id}-{i}-0" if j else None))
+                                                fork_of=f"{base_id}-{i}-0" if j else None,
+                                                client_id=client_id))
     results = await asyncio.gather(*jobs, return_exceptions=True)
     streams = [r for r in results if isinstance(r, RequestStream)]
     errors = [r for r in results if not isinstance(r, RequestStream)]
@@ -133,7 +141,8 @@ async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: Samplin
 
 
 async def _serve(ctx: ServerContext, request: Request, req, ids, params, lora, chat: bool):
-    streams = await _submit(ctx, req, ids, params, lora)
+    tenant = _tenant(request)
+    streams = await _submit(ctx, req, ids, params, lora, tenant.name if tenant else None)
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     model = req.model or ctx.model_name
     prompt_tokens = sum(map(len, ids))
@@ -141,10 +150,13 @@ async def _serve(ctx: ServerContext, request: Request, req, ids, params, lora, c
     lp = LogprobFormatter(ctx.tokenizer)
     if req.stream:
         gen = _stream(streams, timers, lp, rid, model, chat, req.include_usage, prompt_tokens,
-                      req.n)
+                      req.n, request.scope)
         return StreamingResponse(gen, media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
-    outs = await _collect(ctx, request, streams, timers)
+    try:
+        outs = await _collect(ctx, request, streams, timers)
+    finally:  # what the tenant used, for its tokens_per_minute (quotas.py)
+        record_usage(request.scope, prompt_tokens + sum(t.n for t in timers))
     if outs is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     for out in outs:
@@ -219,7 +231,8 @@ async def _merge(streams: list[RequestStream]):
             fut.cancel()
 
 
-async def _stream(streams, timers, lp, rid, model, chat, include_usage, prompt_tokens, n):
+async def _stream(streams, timers, lp, rid, model, chat, include_usage, prompt_tokens, n,
+                  scope):
     trackers = [DeltaTracker(i, lp, chat) for i in range(len(streams))]
     completion = cached = 0
 
@@ -249,3 +262,4 @@ async def _stream(streams, timers, lp, rid, model, chat, include_usage, prompt_t
     finally:  # client gone (cancelled) or done: free every sequence's blocks now
         for s in streams:
             s.abort()
+        record_usage(scope, prompt_tokens + sum(t.n for t in timers))

@@ -16,6 +16,7 @@ from types import FrameType
 import uvicorn
 
 from loraserve.server.context import ServerContext
+from loraserve.server.tenant_routes import reload_on_signal
 
 # after the drain: time for the last responses to be written before uvicorn cancels anything
 _WRITE_GRACE_S = 5
@@ -31,6 +32,8 @@ class GracefulServer(uvicorn.Server):
 
     async def serve(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
+        if self.ctx.keys.active:  # SIGHUP reloads the tenant keys (tenant_routes.py)
+            self.loop.add_signal_handler(signal.SIGHUP, reload_on_signal, self.ctx)
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
