@@ -123,7 +123,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                 ignore_eos=args.ignore_eos, stop=tuple(args.stop or ()))
         llm = LLM(args.model, lora_paths=adapters, **dataclasses.asdict(config))
         outs = llm.generate(prompts, params, lora=args.lora)
-    except (LoraServeError, OSError, ValueError) as e:
+    except OSError as e:  # no such model; an unusable (full, read-only) cache directory
+        from loraserve.paths import describe_os_error
+
+        raise usage_error("generate", describe_os_error(e)) from e
+    except (LoraServeError, ValueError) as e:
         raise usage_error("generate", str(e).strip("'\"")) from e
     for prompt, out in zip(args.prompt, outs, strict=True):
         if args.json:

@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI-compatible routes over an AsyncEngine.
 
-Middleware order (outermost first): API keys, then the tenants' limits, then the body size
-limit — so no unauthenticated, over-limit or oversized request gets its body read.
+Middleware order (outermost first): the drain (shutting down: 503 to every new request),
+API keys, the tenants' limits, then the body size limit — so no unauthenticated, over-limit
+or oversized request gets its body read.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from loraserve.engine.async_engine import AsyncEngine
 from loraserve.server import adapter_routes, serving
 from loraserve.server.auth import AuthMiddleware
 from loraserve.server.context import ServerContext
-from loraserve.server.errors import install_error_handlers
+from loraserve.server.drain import DrainMiddleware
+from loraserve.server.errors import install_error_handlers, retry_headers
 from loraserve.server.limits import BodyLimitMiddleware
 from loraserve.server.openapi import openapi_schema
 from loraserve.server.quotas import QuotaMiddleware, TenantCollector
@@ -48,11 +50,13 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
     if enforce_quotas:
         app.add_middleware(QuotaMiddleware, gate=ctx.quotas)
     app.add_middleware(AuthMiddleware, settings=settings, keys=ctx.keys)
+    app.add_middleware(DrainMiddleware, ctx=ctx)
 
     @app.get("/health")
     async def health() -> Response:
         if not async_engine.is_running:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
+            return JSONResponse({"status": "engine stopped"}, status_code=503,
+                                headers=retry_headers(503))
         return JSONResponse({"status": "ok"})
 
     @app.post("/v1/completions")

@@ -30,6 +30,7 @@ class ServerContext:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
 
     draining: bool = False  # shutting down: no new requests, in-flight ones may finish
+    in_flight: int = 0  # HTTP requests being answered (drain.py counts them)
 
     def check_accepting(self) -> None:
         if self.draining:

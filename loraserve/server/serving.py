@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from loraserve.engine.async_engine import RequestStream
 from loraserve.server import protocol as P
 from loraserve.server.context import ServerContext, parse_body
-from loraserve.server.errors import ApiError, error_body
+from loraserve.server.errors import ApiError, error_body, retry_headers
 from loraserve.server.formatting import DeltaTracker, LogprobFormatter, full_choice, is_error, sse
 from loraserve.server.metrics import RequestTimer
 from loraserve.server.quotas import record_usage
@@ -162,7 +162,7 @@ async def _serve(ctx: ServerContext, request: Request, req, ids, params, lora, c
     for out in outs:
         if is_error(out):
             status, body = _error_of(out)
-            return JSONResponse(body, status_code=status)
+            return JSONResponse(body, status_code=status, headers=retry_headers(status))
     choices = [full_choice(i, out, lp, chat) for i, out in enumerate(outs)]
     completion = sum(len(o.token_ids) for o in outs)
     cached = sum(o.num_cached_tokens for o in outs[::req.n])  # each prompt once, as counted

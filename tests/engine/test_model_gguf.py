@@ -96,3 +96,28 @@ def test_a_file_that_is_not_gguf_is_one_line(tmp_path, monkeypatch):
     assert "cannot convert GGUF file" in str(e.value) and "\n" not in str(e.value)
     assert not [p for p in (tmp_path / "cache" / "models").iterdir()
                 if not p.name.endswith(".lock")]
+
+
+def test_a_full_cache_directory_is_one_line(files, tmp_path, monkeypatch, capsys):
+    """safetensors reports a full disk as its own error: the CLI still says it in one line,
+    naming the cache directory, and leaves no half-written entry."""
+    import transformers.modeling_utils as mu
+    from safetensors import SafetensorError
+
+    from loraserve.cli import main
+
+    def full(*a, **kw):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                              "(os error 28)")
+
+    monkeypatch.setattr(mu, "safe_save_file", full)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LORASERVE_CACHE", str(cache))
+    _, _, ggufs = files
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(ggufs["F32"]), "--prompt", "hi"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("loraserve generate: the cache directory") and "No space left" in err
+    assert "Traceback" not in capsys.readouterr().err
+    assert not [p for p in (cache / "models").iterdir() if not p.name.endswith(".lock")]

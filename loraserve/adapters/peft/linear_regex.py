@@ -24,8 +24,6 @@ from re import _compiler as sre_compile  # the compiler `re.compile` itself uses
 from re import _constants as C
 from re import _parser as sre
 
-import re2
-
 MAX_PATTERN_CHARS = 1000
 MAX_REPEAT = 1000  # RE2's largest counted repetition
 _RE2_MEMORY = 4 << 20  # per compiled pattern: RE2 refuses a program that needs more
@@ -66,6 +64,11 @@ def _compile(pattern: str):
         raise PatternRefused(f"invalid: {e}") from None
     names = {i: n for n, i in parsed.state.groupdict.items()}
     text = _emit(parsed.data, parsed.state.flags, names)
+    try:  # imported here: configs without regexes load where google-re2 is not installed
+        import re2
+    except ImportError:
+        raise PatternRefused("this server cannot match regexes safely: google-re2 is not "
+                             "installed (pip install google-re2)") from None
     options = re2.Options()
     options.max_mem = _RE2_MEMORY
     options.log_errors = False

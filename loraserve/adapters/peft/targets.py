@@ -11,6 +11,7 @@ budget (budget.py)."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from loraserve.adapters.peft.budget import LoadBudget, check_pattern_count
@@ -74,7 +75,8 @@ class ConfigPatterns:
     alpha: tuple  # (regex, alpha), likewise
 
 
-_DEFAULT_LAYERS = r".*?\.[^.]*\.(?P<idx>\d+)\."
+# PEFT's own layer-index pattern: ours, not the file's, so Python's re runs it safely
+_DEFAULT_LAYERS = re.compile(r".*?\.[^.]*\.(?P<idx>\d+)\.")
 
 
 def compile_patterns(cfg: dict, path: object, budget: LoadBudget | None = None) -> ConfigPatterns:
@@ -95,7 +97,7 @@ def compile_patterns(cfg: dict, path: object, budget: LoadBudget | None = None) 
         tm != "all-linear" else None
     exclude = compiled("exclude_modules", ex, ex) if isinstance(ex, str) else None
     if isinstance(tm, list) and tm and not lp:
-        layers = (compiled("layers_pattern", "", _DEFAULT_LAYERS),)
+        layers = (_DEFAULT_LAYERS,)
     else:
         layers = tuple(compiled("layers_pattern", p, rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.")
                        for p in ([lp] if isinstance(lp, str) else lp or []))
