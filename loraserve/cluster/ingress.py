@@ -27,7 +27,7 @@ from loraserve.cluster.routing import routing_key
 from loraserve.cluster.spec import ENGINE_DEPLOYMENT, ClusterSpec
 from loraserve.server.api_keys import KeyFileError, KeyRing
 from loraserve.server.auth import AuthMiddleware
-from loraserve.server.errors import ApiError, install_error_handlers
+from loraserve.server.errors import ApiError, install_error_handlers, retry_headers
 from loraserve.server.limits import BodyLimitMiddleware
 from loraserve.server.quotas import QuotaGate, QuotaMiddleware, TenantCollector
 
@@ -84,7 +84,8 @@ def build_app(ing: Ingress) -> FastAPI:
     async def health() -> Response:
         n = len(ing.replicas.ids())
         if not n:
-            return JSONResponse({"status": "no engine replica running"}, status_code=503)
+            return JSONResponse({"status": "no engine replica running"}, status_code=503,
+                                headers=retry_headers(503))
         return JSONResponse({"status": "ok", "replicas": n})
 
     @app.post("/v1/completions")
