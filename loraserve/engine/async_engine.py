@@ -185,11 +185,11 @@ class AsyncEngine:
             info = self.info
             if self._loads is None:
                 self._loads = DaemonPool(2, "lora-admin-load")
-            budget = LoadBudget(cancelled=self._closing)
-            read = asyncio.wrap_future(self._loads.submit(
+            closing = self._closing
+            read = asyncio.wrap_future(self._loads.submit(  # the budget starts with the read
                 lambda: read_adapter(path, info.model_config, max_lora_rank=info.max_lora_rank,
                                      allow_pickle=info.allow_pickle_adapters, root=root,
-                                     budget=budget)))
+                                     budget=LoadBudget(cancelled=closing))))
             self._reads.add(read)
             try:
                 weights = await read
