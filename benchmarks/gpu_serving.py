@@ -1,4 +1,4 @@
-"""Multi-LoRA serving on one GPU (issue 15): loraserve against transformers + PEFT, same GPU,
+"""Multi-LoRA serving on one GPU: loraserve against transformers + PEFT, same GPU,
 same weights, one process.
 
 Models (no download): the bundled SmolLM2-135M, and a randomly initialised Llama with

@@ -8,7 +8,10 @@ requests as one batch: the S-LoRA paper's baseline); loraserve base-only on the 
     .venv/bin/python benchmarks/multi_lora.py [--reps 1] [--pairs 4]
 
 multi_vs_base is the median over back-to-back pairs of runs (each pair's base-only time over
-its multi-adapter time), so the machine's drift between pairs cancels.
+its multi-adapter time), so the machine's drift between pairs cancels. Every model step of
+those runs is timed, so the result also says where a multi-adapter run's extra time goes:
+`extra_s` = multi - base, median of pairs, for the whole run, its prefill steps (steps with
+more tokens than sequences) and its decode steps.
 """
 
 from __future__ import annotations
@@ -21,7 +24,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import median, random_prompts, scratch_dir, time_hf, time_ours, write_result  # noqa: E402
+from common import (  # noqa: E402
+    StepTimes,
+    median,
+    random_prompts,
+    scratch_dir,
+    time_hf,
+    time_ours,
+    write_result,
+)
 
 from loraserve import LLM  # noqa: E402
 from loraserve.bench.make_adapters import make_synthetic_adapters  # noqa: E402
@@ -48,9 +59,9 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--no-full-warmup", action="store_true",
-                    help="time from the first full-size run (as before session 12)")
+                    help="no untimed full-size run of each kind before the timed pairs")
     ap.add_argument("--ranks", default="8,16,32,64",
-                    help="adapter ranks, cycled over the adapters (issue 13's workload: 6 "
+                    help="adapter ranks, cycled over the adapters (the small workload: 6 "
                          "adapters of ranks 4,8,16,32,48,64 over 32 requests)")
     ap.add_argument("--adapter-dtype", default="float32", choices=["float32", "bfloat16"],
                     help="dtype of the adapter files (bf16: as adapters trained in bf16 are)")
@@ -85,8 +96,8 @@ def main() -> None:
     # PEFT's are (it holds every adapter in memory from the start).
     time_ours(llm, prompts[: len(names)], 4, names)
     # Then one untimed full-size run of each kind: the first pays first-touch costs (KV blocks,
-    # step buffers) that later runs do not, and fell in pair 0 (0.85-0.86 where the other pairs
-    # ran 0.87-0.91 in session 12). PEFT gets a short warm-up of its own.
+    # step buffers) that later runs do not, and would otherwise fall in pair 0 and pull its
+    # ratio down. PEFT gets a short warm-up of its own.
     if not args.no_full_warmup:
         time_ours(llm, prompts, args.output_len, loras)
         time_ours(llm, prompts, args.output_len, None)
@@ -94,14 +105,18 @@ def main() -> None:
             time_hf(peft, prompts[:4], 4, adapter_names=loras[:4])
     runs: dict[str, list[float]] = {"ours_multi": [], "ours_base": [], "peft_mixed": [],
                                     "peft_sequential": []}
-    # Ours, multi and base-only back to back in alternating order (this machine's speed drifts
-    # by 20% over a minute, so each pair's ratio is the robust figure); then PEFT's runs.
+    # Ours, multi and base-only back to back in alternating order (the host's speed drifts
+    # from minute to minute, so each pair's ratio is the robust figure); then PEFT's runs.
     pair_ratios = []
+    steps = StepTimes()
+    split: dict[str, list[tuple[float, float]]] = {"ours_multi": [], "ours_base": []}
     for i in range(args.pairs):
         order = ("ours_multi", "ours_base") if i % 2 == 0 else ("ours_base", "ours_multi")
         for k in order:
+            steps.clear()
             runs[k].append(time_ours(llm, prompts, args.output_len,
                                      loras if k == "ours_multi" else None))
+            split[k].append(steps.split())
         pair_ratios.append(runs["ours_base"][-1] / runs["ours_multi"][-1])
         print(f"pair {i}: multi {runs['ours_multi'][-1]:.1f}s  base {runs['ours_base'][-1]:.1f}s"
               f"  multi/base throughput {pair_ratios[-1]:.3f}", flush=True)
@@ -118,6 +133,12 @@ def main() -> None:
         "multi_vs_base": median(pair_ratios),
         "multi_vs_base_per_pair": pair_ratios,
         "multi_vs_base_of_medians": tok_s["ours_multi"] / tok_s["ours_base"],
+        "extra_s": {
+            "run": median([m - b for m, b in zip(runs["ours_multi"], runs["ours_base"],
+                                                 strict=True)]),
+            **{part: median([m[j] - b[j] for m, b in zip(split["ours_multi"],
+                                                         split["ours_base"], strict=True)])
+               for j, part in enumerate(("prefill", "decode"))}},
     }
     for k, v in tok_s.items():
         print(f"{k:18s} {v:8.1f} output tok/s")
@@ -127,7 +148,9 @@ def main() -> None:
     for k in ("ratio_vs_peft_mixed", "ratio_vs_peft_sequential", "multi_vs_base",
               "multi_vs_base_of_medians"):
         if k in res:
-            print(f"{k:26s} {res[k]:.2f}")
+            print(f"{k:26s} {res[k]:.3f}")
+    print("multi - base, median of pairs: " + "  ".join(
+        f"{part} {v:+.3f} s" for part, v in res["extra_s"].items()))
     name = "multi_lora" if args.reps else "multi_lora-vs-base"
     if (args.num_requests, args.num_adapters, ranks) != (64, 16, (8, 16, 32, 64)):
         name += f"-{args.num_requests}req-{args.num_adapters}ad-r{'_'.join(map(str, ranks))}"

@@ -1,11 +1,11 @@
 """Adapter memory layouts and prefetch, driven by `loraserve bench` over HTTP.
 
-Issue 13's comparison, at equal adapter bytes (16 adapter-sized memories), bursty traffic over
-32 adapters (the default `--configs`):
+The adapter memory layouts at equal adapter bytes (16 adapter-sized memories), bursty traffic
+over 32 adapters (the default `--configs`):
 T  = tiered: 8 compute slots + 8 host entries (max_loras_per_batch=8, max_loaded_loras=8)
 U  = one memory of 16 packed host entries, the waiting queue prefetching disk -> host
 U0 = the same memory without queue prefetch (only the next adapter is read)
-Issue 5's (tiered, equal slot memory, max_loaded_loras=12):
+Prefetch slots in tiered memory (equal slot memory, max_loaded_loras=12):
 A = 4 slots + 4 prefetch slots, B = 8 slots LRU only, C = B + 4 prefetch slots.
 Each (config, traffic) pair gets a fresh server; runs go in config order per traffic, and the
 table compares every config with the first.

@@ -1,4 +1,4 @@
-"""Prefix cache on against off, through the server (issue 12).
+"""Prefix cache on against off, through the server.
 
 200 requests share a 512-token system prompt, each with its own 32-token question and 32
 output tokens (greedy, ignore_eos), over 8 adapters (round robin), all sent at t=0 to a fresh

@@ -1,4 +1,4 @@
-"""Scale-out (issue 17): adapter-affinity routing vs round-robin, 2 replicas, side by side.
+"""Scale-out: adapter-affinity routing vs round-robin, 2 replicas, side by side.
 
 64 small adapters (ranks 8 and 16, every module) with zipf 1.5 popularity; each replica keeps
 at most 8 in host memory (--max-loaded-loras 8). Each routing policy gets a fresh

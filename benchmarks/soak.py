@@ -1,4 +1,4 @@
-"""Soak (issue 16): a bounded run of everything at once against a live server on loopback.
+"""Soak: a bounded run of everything at once against a live server on loopback.
 
 `loraserve serve` on the bundled SmolLM2-135M with 50 synthetic adapters (two weight versions
 each), max_loaded_loras 8, max_loras_per_batch 4; 32 concurrent clients, streaming and not,

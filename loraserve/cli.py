@@ -1,6 +1,6 @@
 """`loraserve serve | generate | bench` — the command line, and `serve`'s composition root.
 
-Engine flags are generated from `EngineConfig`'s fields (config.py holds every default and
+Engine flags are generated from `EngineConfig`'s fields (config/engine.py holds every default and
 help text); the server's own flags live in server/cli_args.py.
 """
 
@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import logging
 import sys
+import time
+from collections.abc import Callable
 
 from loraserve.config import ClusterConfig, EngineConfig
 
@@ -139,8 +142,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    """Build the engine, load --lora-paths, and serve the app with uvicorn."""
+def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = None) -> int:
+    """Build the engine, load --lora-paths, and serve the app with uvicorn. Start-up says
+    what it is doing as it goes; `on_ready` runs once the server listens."""
     from loraserve.server.cli_args import H11_MAX_EVENT_BYTES, configure_logging, settings_from_args
 
     configure_logging(args.log_level)
@@ -155,43 +159,77 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise usage_error("serve", str(e)) from e
     config = engine_config_from_args(args)
     adapters = _lora_paths(args.lora_paths)
-    _precheck_serve(args, adapters)
     cluster = cluster_config_from_args(args)
+    if cluster.enabled and importlib.util.find_spec("ray") is None:
+        raise usage_error("serve", "--replicas/--ray-address need Ray Serve: "
+                                   "pip install 'loraserve[cluster]'")
+    _precheck_serve(args, adapters)
     if cluster.enabled:
-        return _serve_cluster(args, settings, config, cluster, adapters)
+        return _serve_cluster(args, settings, config, cluster, adapters, on_ready)
 
     import uvicorn
 
     from loraserve.engine.async_engine import AsyncEngine
-    from loraserve.engine.engine import LLMEngine
-    from loraserve.paths import describe_os_error
     from loraserve.server.app import create_app
     from loraserve.server.shutdown import GracefulServer
-    from loraserve.types import LoraServeError
 
-    try:
-        engine = LLMEngine(args.model, config)
-    except OSError as e:  # no such model; an unusable cache directory
-        raise usage_error("serve", describe_os_error(e)) from e
-    except ValueError as e:  # not a checkpoint, unsupported
-        raise usage_error("serve", str(e)) from e
-    for name, path in adapters.items():
-        try:
-            engine.load_lora_adapter(name, path)
-        except LoraServeError as e:  # a bad adapter at startup stops the server, clearly
-            raise usage_error("serve", f"--lora-paths {name}={path}: {e}") from e
+    engine = _load_engine(args.model, config, adapters, log)
     log.info("model %s from %s; %d adapters; LoRA backend %s; runtime adapter updates %s",
              engine.info.model_name, engine.info.model_path, engine.store.num_registered,
              engine.info.lora_backend, "on" if settings.runtime_lora_updates else "off")
     app = create_app(AsyncEngine(engine), settings)
-    config = uvicorn.Config(app, host=args.host, port=args.port, http="h11",
-                            log_level=args.log_level,
-                            h11_max_incomplete_event_size=H11_MAX_EVENT_BYTES)
-    GracefulServer(config, app.state.ctx, args.shutdown_timeout).run()
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, http="h11",
+                               log_level=args.log_level,
+                               h11_max_incomplete_event_size=H11_MAX_EVENT_BYTES)
+
+    def ready() -> None:
+        log.info("ready: serving %s and %d adapters on http://%s:%d", engine.info.model_name,
+                 engine.store.num_registered, args.host, args.port)
+        if on_ready is not None:
+            on_ready()
+
+    GracefulServer(uv_config, app.state.ctx, args.shutdown_timeout, ready).run()
     return 0
 
 
-def _serve_cluster(args, settings, config, cluster, adapters: dict[str, str]) -> int:
+def _load_engine(model: str | None, config: EngineConfig, adapters: dict[str, str],
+                 log: logging.Logger):
+    """The engine with its start-up adapters, each step logged: the model's checkpoint (a
+    GGUF is converted once into the cache), its weights and kernels (C kernels are compiled
+    once per CPU into the cache), then the adapters; progress bars in a terminal."""
+    from tqdm.auto import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from loraserve.engine.engine import LLMEngine
+    from loraserve.model.bundled import resolve_model_path
+    from loraserve.paths import cache_root, describe_os_error
+    from loraserve.types import LoraServeError
+
+    log.info("finding the model (%s)", model or "the bundled SmolLM2-135M-Instruct")
+    try:
+        path = resolve_model_path(model)  # a GGUF file converts here, once
+        log.info("loading %s: weights, KV cache, kernels (built once for this CPU into %s)",
+                 path, cache_root() / "kernels")
+        start = time.monotonic()
+        engine = LLMEngine(path, config)
+    except OSError as e:  # no such model; an unusable cache directory
+        raise usage_error("serve", describe_os_error(e)) from e
+    except ValueError as e:  # not a checkpoint, unsupported
+        raise usage_error("serve", str(e)) from e
+    log.info("model loaded in %.1f s", time.monotonic() - start)
+    with logging_redirect_tqdm():
+        bar = tqdm(adapters.items(), desc="loading adapters", unit="adapter",
+                   disable=None if len(adapters) > 1 else True)  # None: in a terminal only
+        for name, adapter_path in bar:
+            try:
+                engine.load_lora_adapter(name, adapter_path)
+            except LoraServeError as e:  # a bad adapter at startup stops the server, clearly
+                raise usage_error("serve", f"--lora-paths {name}={adapter_path}: {e}") from e
+    return engine
+
+
+def _serve_cluster(args, settings, config, cluster, adapters: dict[str, str],
+                   on_ready: Callable[[], None] | None) -> int:
     """N replicas behind one ingress (Ray Serve); Ray is imported only on this path."""
     try:
         from loraserve.cluster.launch import serve_cluster
@@ -201,7 +239,7 @@ def _serve_cluster(args, settings, config, cluster, adapters: dict[str, str]) ->
                                    f"'loraserve[cluster]' ({e})") from e
     spec = ClusterSpec(model=args.model, engine=config, settings=settings, cluster=cluster,
                        adapters=tuple(adapters.items()))
-    return serve_cluster(spec, args.host, args.port)
+    return serve_cluster(spec, args.host, args.port, on_ready)
 
 
 def _version() -> str:

@@ -3,7 +3,7 @@
     python -m loraserve.readme_flags          # rewrite the table in README.md
     python -m loraserve.readme_flags --check  # exit 1 if README.md's table is stale
 
-The engine's flags come from `EngineConfig` (config.py: every default and help text), the
+The engine's flags come from `EngineConfig` (config/engine.py: every default and help text), the
 server's from server/cli_args.py; tests/test_readme.py fails when the README falls behind.
 """
 

@@ -6,7 +6,7 @@ import time
 from enum import Enum
 from typing import Any
 
-from loraserve.types import FinishReason, SamplingParams
+from loraserve.types import FinishReason, PromptLogprob, SamplingParams
 
 
 class RequestStatus(Enum):
@@ -36,6 +36,7 @@ class Request:
         self.params = params
         self.adapter_uid = adapter_uid  # resolved once at admission; None = base model
         self.lora_name = lora_name  # for outputs and logs only, never for lookups
+        self.adapter_version: int | None = None  # the version of lora_name it is bound to
         self.generator = generator  # its own RNG (a torch.Generator) when a seed was given
         self.origin = origin  # the client request it came from (its n x prompts share one)
         self.client_id = client_id  # the tenant (API key's name) that sent it; None: no keys
@@ -52,6 +53,11 @@ class Request:
         if fork_parent is not None:
             fork_parent.forks.append(self)
         self.output_token_ids: list[int] = []
+        # with params.prompt_logprobs: one entry per prompt token, filled as its prefill runs
+        # (None for the first token, which nothing predicts); written by position, so a
+        # recompute after preemption rewrites the same values
+        self.prompt_logprobs: list[PromptLogprob | None] | None = (
+            [None] * len(self.prompt_token_ids) if params.prompt_logprobs is not None else None)
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
         self.status = RequestStatus.WAITING
@@ -78,6 +84,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Its prompt's positions need logits: it may reuse no cached K/V until they are done."""
+        return (self.prompt_logprobs is not None
+                and self.num_computed_tokens < len(self.prompt_token_ids))
 
     @property
     def is_finished(self) -> bool:

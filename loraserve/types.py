@@ -40,6 +40,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; k>0: also the top-k
+    # Per prompt token (from the second): its logprob under the model, and with k>0 the top-k
+    # at its position. Such a request computes its whole prompt (no prefix-cache reuse).
+    prompt_logprobs: int | None = None
     # vLLM semantics (see model/logits_processors.py): penalties on the raw logits, min_p
     # after the temperature, logit_bias as (token id, bias) pairs sorted by id.
     repetition_penalty: float = 1.0
@@ -55,8 +58,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
+        if self.max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0 (0: score the prompt, generate nothing)")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.temperature < SAMPLING_EPS:
@@ -66,8 +69,10 @@ class SamplingParams:
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got a {self.seed.bit_length()}"
                              "-bit integer")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= 20:
+                raise ValueError(f"{name} must be in [0, 20], got {k}")
         self._check_logits_processing()
 
     def _check_logits_processing(self) -> None:
@@ -109,6 +114,15 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+@dataclass(frozen=True)
+class PromptLogprob:
+    """One prompt token's logprob under the model, given the tokens before it."""
+
+    logprob: float
+    rank: int  # 1 = the most likely token at that position
+    top: tuple[tuple[int, float], ...] = ()  # the top-k (token id, logprob), most likely first
+
+
 @dataclass
 class RequestOutput:
     """What a caller sees of one request: the whole output so far (or final)."""
@@ -122,7 +136,10 @@ class RequestOutput:
     error: str | None = None
     error_status: int | None = None  # with an error: 4xx the client's adapter, 500 a bug
     lora_name: str | None = None
+    adapter_version: int | None = None  # lora_name's version these tokens come from
     logprobs: list[float] | None = None  # chosen-token logprob per output token, if asked
+    # with prompt_logprobs: per prompt token, None for the first, else (its logprob, top-k)
+    prompt_logprobs: list[PromptLogprob | None] | None = None
     top_logprobs: list[dict[int, float]] | None = None
     holdback: int = 0  # trailing chars of `text` that may begin a stop string: not streamed yet
     num_cached_tokens: int = 0  # prompt tokens whose K/V were reused (prefix cache or a fork)

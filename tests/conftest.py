@@ -1,7 +1,10 @@
 """Shared pytest fixtures. Models are built once per session; tests must not modify them.
 
-tests/ has no __init__.py, so pytest puts it on sys.path and helpers such as
-`model_factory` import directly.
+Tests live by kind: unit/ (no model or a stub), kernels/ (C and Triton ops against their
+references), engine/ (the engine on tiny or bundled models), server/ (real HTTP servers),
+cluster/ (Ray Serve). Each test gets its folder's name as a marker, and tests that use
+hypothesis get `property`, so `make test-fast` can leave out servers, Ray and fuzzing.
+pyproject.toml puts tests/ on sys.path, so helpers such as `model_factory` import directly.
 """
 
 from __future__ import annotations
@@ -15,6 +18,25 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 from model_factory import make_tiny_llama
+
+KINDS = ("unit", "kernels", "engine", "server", "cluster")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        kind = Path(str(item.fspath)).parent.name
+        if kind in KINDS:
+            item.add_marker(kind)
+        if _uses_hypothesis(item.module):
+            item.add_marker("property")
+
+
+def _uses_hypothesis(module) -> bool:
+    return any(
+        (getattr(value, "__module__", None) or "").startswith("hypothesis")
+        for value in vars(module).values()
+    )
+
 
 # ---- base models -----------------------------------------------------------------------------
 

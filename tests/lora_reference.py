@@ -1,7 +1,7 @@
 """Test helper: the transformers + PEFT reference for LoRA outputs, and engine checks.
 
 The reference for a LoRA request is a float32 `PeftModel` holding only that adapter, run on
-that prompt alone with greedy decoding that never stops early (DESIGN.md §4).
+that prompt alone with greedy decoding that never stops early (docs/design.md §4).
 """
 
 from __future__ import annotations
@@ -60,6 +60,21 @@ def peft_greedy(base_dir: Path, adapter: Path | None, prompt: list[int], n: int)
         base = load_base_model(base_dir)
         _MODELS[key] = base if adapter is None else PeftModel.from_pretrained(base, adapter)
     return hf_greedy(_MODELS[key], prompt, n)
+
+
+def prompt_logprobs(model, prompt: list[int], k: int) -> list[tuple[float, int, list]]:
+    """The reference scores of a prompt: per token after the first, (its logprob, its rank,
+    the top-k (token id, logprob)) from the HF/PEFT model's float32 log-softmax."""
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0].float()
+    logp = logits.log_softmax(-1)
+    out = []
+    for p in range(1, len(prompt)):
+        vals, idx = torch.topk(logp[p - 1], k)
+        lp = logp[p - 1, prompt[p]]
+        rank = int((logp[p - 1] > lp).sum()) + 1
+        out.append((lp.item(), rank, list(zip(idx.tolist(), vals.tolist(), strict=True))))
+    return out
 
 
 def run_until_done(eng, outs: dict | None = None, max_steps: int = 500) -> dict:

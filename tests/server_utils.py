@@ -36,6 +36,13 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      cwd=REPO)
 
+    def __enter__(self) -> ServerProcess:
+        """`with ServerProcess(...) as server:` waits until it answers, and stops it after."""
+        return self.wait_ready()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def wait_ready(self, timeout: float = 120.0) -> ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

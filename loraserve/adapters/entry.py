@@ -26,6 +26,8 @@ class AdapterEntry:
     last_used: int = 0  # LRU tick
     prefetched: bool = False  # brought in ahead of use and not used since: evicted first
     stats: AdapterStats = field(default_factory=AdapterStats)
+    version: int = 1  # the name's load count when this uid was minted (adapters/versions.py)
+    owned: bool = False  # `path` is the store's own copy (spill directory): removed with it
 
     @property
     def tier(self) -> str:
@@ -37,12 +39,15 @@ class AdapterEntry:
             err = err.replace(f"adapter {p}: ", "").replace(p, f"<{self.name}>")
         return err
 
-    def snapshot(self) -> AdapterSnapshot:
+    def snapshot(self, tier: str | None = None) -> AdapterSnapshot:
+        """This adapter now; `tier`: as the store's residency policy names it (default:
+        where its weights are)."""
         return AdapterSnapshot(
-            name=self.name, uid=self.uid, path=self.path, tier=self.tier, pinned=self.pinned,
-            refcount=self.refcount, registered=not self.unloading, last_error=self.last_error,
+            name=self.name, uid=self.uid, path=self.path, tier=tier or self.tier,
+            pinned=self.pinned, refcount=self.refcount, registered=not self.unloading,
+            last_error=self.last_error,
             rank=self.weights.rank if self.weights is not None else None,
-            fingerprint=self.fingerprint, stats=replace(self.stats))
+            fingerprint=self.fingerprint, stats=replace(self.stats), version=self.version)
 
 
 @dataclass(frozen=True)
@@ -60,3 +65,4 @@ class AdapterSnapshot:
     rank: int | None  # None while its weights are on disk only
     fingerprint: str
     stats: AdapterStats
+    version: int = 1  # `name@version` names exactly these weights

@@ -14,8 +14,9 @@ for the C kernel's AVX2 build). So for every module
 adds exactly its delta, and the kernel reads only the adapter's own weights, each register
 tile's weights in one contiguous stream: A is transposed so the shrink is a broadcast-FMA GEMM
 with no horizontal sums, and B is in strips so a 64-column tile does not stride across rows
-(lora/sgmv_cpu.c; 18-25% faster decode expand than row-major blocks, which in turn replaced a
-block-diagonal dense B read in short strided runs: 2-3x slower, and n_g times the memory).
+(lora/sgmv_cpu.c: row-major blocks would make each tile read 64 columns out of every row, and
+a block-diagonal dense B would read short strided runs and take n_g times the memory;
+`benchmarks/kernels/kernel_ab.py lora` times the op before and after a layout change).
 
 Ranks differing across layers (PEFT rank_pattern / layers_to_transform): module m gets
 r_m = its max rank over layers, in every layer; rows beyond a layer's own rank stay zero.

@@ -1,22 +1,20 @@
 """The adapter store's consistency report (DESIGN.md §3), for the engine's invariant check.
 
-Pure: it reads the store, its slot pool and its disk loader and changes nothing. Each problem
-is one sentence; an empty list means every invariant holds.
+Pure: it reads the store, its slot pool, its disk loader and its residency policy through
+their read-only views and changes nothing. Each problem is one sentence; an empty list means
+every invariant holds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Set
-from typing import TYPE_CHECKING
 
 from loraserve.adapters.eviction import pick_victim
-
-if TYPE_CHECKING:
-    from loraserve.adapters.store import AdapterStore
+from loraserve.adapters.store import AdapterStore
 
 
 def check_store(store: AdapterStore, refs: Mapping[int, int], running: Set[int],
-                waiting: list[int]) -> list[str]:
+                waiting: list[int | None]) -> list[str]:
     """`refs`: uid -> live requests holding it (forks included); `running`: the adapters of
     running requests; `waiting`: each waiting request's adapter (None: base), in queue
     order."""
@@ -31,14 +29,13 @@ def check_store(store: AdapterStore, refs: Mapping[int, int], running: Set[int],
                             f"{refs.get(uid, 0)} live requests")
         if e.unloading and e.refcount == 0:
             problems.append(f"adapter {e.name} (uid {uid}) drained but was never freed")
-        if not e.unloading and store.names.get(e.name) != uid:
+        if not e.unloading and store.live_versions(e.name).get(e.version) != uid:
             problems.append(f"adapter {e.name} (uid {uid}) is neither registered nor unloading")
         if e.slot is not None and e.weights is None:
             problems.append(f"adapter {e.name} holds slot {e.slot} without host weights")
-        if store.unified and (e.slot is None) != (e.weights is None):
-            problems.append(f"adapter {e.name}: in one adapter memory, host means a slot")
         if uid in running and e.weights is None:
             problems.append(f"adapter {e.name} was evicted while its requests run")
+    problems += store.residency.check()
     problems += _check_slots(store)
     problems += _check_caps(store)
     problems += store.loader.check(set(entries))
@@ -66,15 +63,16 @@ def _check_slots(store: AdapterStore) -> list[str]:
 
 def _check_caps(store: AdapterStore) -> list[str]:
     problems = []
-    if store.max_loaded is not None:
+    max_loaded = store.residency.limits.max_loaded_loras
+    if max_loaded is not None:
         used = store.num_host + store.loader.num_pending
-        if used > store.max_loaded:
+        if used > max_loaded:
             problems.append(f"{store.num_host} adapters in host memory and "
                             f"{store.loader.num_pending} loading: over max_loaded_loras="
-                            f"{store.max_loaded}")
-    limit = store.max_loaded if store.unified else store.max_loras_per_batch
-    if limit is not None and store.num_pinned > max(limit - 1, 0):
-        problems.append(f"{store.num_pinned} adapters pinned; at most {limit - 1} may be")
+                            f"{max_loaded}")
+    limit = store.residency.pin_limit
+    if not limit.allows(store.num_pinned):
+        problems.append(f"{store.num_pinned} adapters pinned; {limit}")
     return problems
 
 
@@ -86,14 +84,15 @@ def _check_progress(store: AdapterStore, running: Set[int],
     if running or any(u is None or store.is_ready(u) for u in waiting):
         return []
     queue = list(dict.fromkeys(u for u in waiting if u in store.entries))
-    window = queue[: store.lookahead]
+    window = queue[: store.residency.lookahead]
     cold = [u for u in window if not store.is_ready(u)]
     if not cold or any(store.loader.is_loading(u) for u in cold):
         return []
     # a read in flight lands soon: its adapter then runs or, unneeded, can be evicted
-    has_room = (store.max_loaded is None or store.loader.num_pending > 0
-                or store.num_host < store.max_loaded
-                or pick_victim(store._host_entries(), set(window)) is not None)
+    max_loaded = store.residency.limits.max_loaded_loras
+    has_room = (max_loaded is None or store.loader.num_pending > 0
+                or store.num_host < max_loaded
+                or pick_victim(store.host_entries(), set(window)) is not None)
     if has_room:
         return []
     names = [store.entries[u].name for u in cold]

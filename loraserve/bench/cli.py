@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 
 from loraserve.bench.client import fetch_base_model, run_requests
 from loraserve.bench.report import format_summary, per_adapter, plot_cdfs, summarize, write_json
@@ -107,6 +108,9 @@ def _needs_base(args: argparse.Namespace) -> bool:
 
 def run_bench(args: argparse.Namespace) -> dict:
     """Run one benchmark; returns the run dict (also written to --result-json)."""
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # before, not after, the run
+        raise SystemExit("loraserve bench: --plot needs matplotlib: "
+                         "pip install 'loraserve[bench]'")
     base = args.model or ""
     if not base and _needs_base(args):
         base = asyncio.run(fetch_base_model(args.base_url, args.api_key))

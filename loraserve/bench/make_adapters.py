@@ -128,7 +128,9 @@ def make_synthetic_adapters(
 def main(argv: list[str] | None = None) -> list[Path]:
     p = argparse.ArgumentParser(prog="python -m loraserve.bench.make_adapters",
                                 description="Write synthetic PEFT LoRA adapters for a base model")
-    p.add_argument("--model-dir", required=True, help="base model dir (or its config.json)")
+    p.add_argument("--model-dir", default=None,
+                   help="base model dir (or its config.json); default: the bundled "
+                        "SmolLM2-135M-Instruct (converted once into the cache)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--num", type=int, default=32)
     p.add_argument("--ranks", default="8,16,32,64", help="comma-separated, cycled")
@@ -138,6 +140,10 @@ def main(argv: list[str] | None = None) -> list[Path]:
     p.add_argument("--init-scale", type=float, default=0.05)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     a = p.parse_args(argv)
+    if a.model_dir is None:
+        from loraserve.model.bundled import default_model_dir
+
+        a.model_dir = default_model_dir()
     paths = make_synthetic_adapters(
         a.model_dir, a.out, a.num, ranks=[int(r) for r in a.ranks.split(",")],
         target_modules=[m.strip() for m in a.target_modules.split(",") if m.strip()],

@@ -1,9 +1,12 @@
 """Load and unload through the ingress: every replica or none.
 
 A load is sent to every live replica, each running the single server's own route (same
-validation, same answers). If all accept, the registry records it (replicas that start later
-replay it); if any refuses, the replicas that accepted are put back as they were and the
-client gets the refusing replica's answer, exactly as a single server would have given it.
+validation, same answers), with the version number the registry reserved for it, so `name@N`
+names the same weights on every replica. If all accept, the registry records it (replicas that
+start later replay it); if any refuses, the replicas that accepted drop that version (the one
+before it serves again) and the client gets the refusing replica's answer, exactly as a single
+server would have given it. Uploads need every replica to get the files: through the ingress
+they are refused (load from a path every replica can read).
 An unload leaves the registry first (so no replica brings the adapter back), then every
 replica. One adapter change at a time (the ingress's lock).
 """
@@ -23,7 +26,7 @@ from loraserve.cluster.relay import json_of, reply_response, to_http_request
 from loraserve.server.errors import error_response
 
 log = logging.getLogger("loraserve.cluster")
-LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+UNLOAD = "/v1/unload_lora_adapter"
 
 
 async def load(ing, request: Request) -> Response:
@@ -32,17 +35,24 @@ async def load(ing, request: Request) -> Response:
     name = fields.get("lora_name")
     async with ing.lock:
         prev = (await ing.registry.state.remote()).entries.get(name) if name else None
+        new_version = isinstance(name, str) and "lora_path" in fields and (
+            prev is None or fields.get("replace") is True)
+        if new_version:  # every replica numbers it alike
+            fields["version"] = await ing.registry.reserve_version.remote(name)
+            req = req.with_body(req.path, json.dumps(fields).encode())
         replies = _live(await ing.replicas.control_all(req, None))
         if not replies:
             return _no_replicas()
         accepted = [rid for rid, r in replies.items() if r.ok]
         refused = [r for r in replies.values() if not r.ok]
         if refused:
-            if accepted and isinstance(name, str):
-                await _roll_back(ing, req, name, prev, fields, accepted)
+            if accepted and new_version:
+                await _roll_back(ing, req, name, fields["version"], accepted)
             return reply_response(refused[0])
         entry = RegistryEntry(fields["lora_path"],
-                              bool(fields.get("pinned")) or (prev is not None and prev.pinned))
+                              bool(fields.get("pinned")) or (prev is not None and prev.pinned),
+                              fields["version"] if new_version else
+                              prev.version if prev is not None else 1)
         ing.at = await ing.registry.put.remote(name, entry)
         log.info("adapter %s registered on %d replicas from %s", name, len(replies),
                  entry.lora_path)
@@ -53,7 +63,13 @@ async def unload(ing, request: Request) -> Response:
     req = to_http_request(request, await request.body())
     name = _fields(req.body).get("lora_name")
     async with ing.lock:
-        prev = (await ing.registry.state.remote()).entries.get(name) if name else None
+        entries = (await ing.registry.state.remote()).entries
+        prev = entries.get(name) if isinstance(name, str) else None
+        base, _, version = name.partition("@") if isinstance(name, str) else ("", "", "")
+        if base in entries and version == str(entries[base].version):
+            return error_response(400, f"{name} is the version every replica serves and "
+                                       f"replays: unload {base!r}, or replace it first",
+                                  "unload_current_version")
         if prev is not None:
             ing.at = await ing.registry.remove.remote(name)
         replies = _live(await ing.replicas.control_all(req, None))
@@ -68,37 +84,38 @@ async def unload(ing, request: Request) -> Response:
     return await _listing(ing, req, replies, f"adapter {name!r} unloaded")
 
 
-async def _roll_back(ing, req: HttpRequest, name: str, prev: RegistryEntry | None,
-                     fields: dict, accepted: list[str]) -> None:
-    """Put the replicas that accepted the load back as they were: without the adapter, or
-    with the registry's version of it (a replica that had fallen behind, or a pin)."""
-    if (prev is not None and prev.lora_path == fields.get("lora_path")
-            and (prev.pinned or not fields.get("pinned"))):
-        return  # the load was a no-op there
+async def _roll_back(ing, req: HttpRequest, name: str, version: int,
+                     accepted: list[str]) -> None:
+    """The replicas that accepted version `version` drop it: the version before it (if any)
+    serves there again, as on the replicas that refused."""
     log.warning("load of %s refused by a replica: rolling back on %s", name, accepted)
+    body = json.dumps({"lora_name": f"{name}@{version}"}).encode()
     for rid in accepted:
-        steps = [(UNLOAD, {"lora_name": name})]
-        if prev is not None:
-            steps.append((LOAD, {"lora_name": name, "lora_path": prev.lora_path,
-                                 "pinned": prev.pinned}))
-        for path, body in steps:
-            reply = await ing.replicas.control(rid, req.with_body(path, json.dumps(body)
-                                                                   .encode()), None)
-            if reply is not None and not reply.ok:
-                log.error("rollback of %s on replica %s: %s %s", name, rid, reply.status,
-                          reply.body[:200])
+        reply = await ing.replicas.control(rid, req.with_body(UNLOAD, body), None)
+        if reply is not None and not reply.ok:
+            log.error("rollback of %s on replica %s: %s %s", name, rid, reply.status,
+                      reply.body[:200])
+
+
+async def refuse_upload(ing, request: Request) -> Response:
+    return error_response(400, "uploads are not taken through --replicas: every replica "
+                               "must read the files; load them from a path every replica can "
+                               "read (POST /v1/load_lora_adapter)", "upload_not_supported")
 
 
 async def _listing(ing, req: HttpRequest, replies: dict[str, HttpReply],
                    message: str) -> Response:
     """The single server's answer to a load/unload, with the merged adapter list."""
+    extra = {}
     for reply in replies.values():
         if reply.ok:
-            message = json_of(reply).get("message", message)
+            body = json_of(reply)
+            message = body.get("message", message)
+            extra = {"version": body["version"]} if "version" in body else {}
             break
     cards, _ = await merged_models(ing, req)
     cards = [c for c in cards or () if c.get("parent") is not None]
-    return JSONResponse({"success": True, "message": message,
+    return JSONResponse({"success": True, "message": message, **extra,
                          "loaded_adapters": {c["id"]: c["root"] for c in cards},
                          "object": "list", "data": cards})
 

@@ -106,6 +106,8 @@ def build_app(ing: Ingress) -> FastAPI:
     for prefix in ("/v1", ""):
         app.add_api_route(f"{prefix}/load_lora_adapter", _bind(adapter_ops.load, ing),
                           methods=["POST"])
+        app.add_api_route(f"{prefix}/upload_lora_adapter", _bind(adapter_ops.refuse_upload, ing),
+                          methods=["POST"])
         app.add_api_route(f"{prefix}/unload_lora_adapter", _bind(adapter_ops.unload, ing),
                           methods=["POST"])
 

@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import threading
+from collections.abc import Callable
 
 from loraserve.cluster.spec import APP_NAME, ClusterSpec
 
@@ -42,7 +43,10 @@ def deploy(spec: ClusterSpec, host: str, port: int, name: str = APP_NAME) -> Non
     serve.run(build_from_spec(spec), name=name, route_prefix="/", blocking=False)
 
 
-def serve_cluster(spec: ClusterSpec, host: str, port: int) -> int:
+def serve_cluster(spec: ClusterSpec, host: str, port: int,
+                  on_ready: Callable[[], None] | None = None) -> int:
+    """Serve until SIGINT/SIGTERM; `on_ready` runs once every replica is up and the proxy
+    listens."""
     import ray
     from ray import serve
 
@@ -54,6 +58,8 @@ def serve_cluster(spec: ClusterSpec, host: str, port: int) -> int:
         deploy(spec, host, port)
         log.info("serving %d replicas on http://%s:%d (routing: %s)", spec.cluster.replicas,
                  host, port, spec.cluster.routing)
+        if on_ready is not None:
+            on_ready()
         stop.wait()
     finally:
         log.info("shutting down the replicas")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 class RegistryEntry:
     lora_path: str  # as the client sent it; each replica resolves it (--lora-root)
     pinned: bool = False
+    version: int = 1  # the name's version (name@N), the same number on every replica
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,13 @@ class AdapterRegistry:
     def __init__(self, seed: tuple[tuple[str, str], ...] = ()):
         self._at = RegistryVersion(uuid.uuid4().hex[:12], 0)
         self._entries = {name: RegistryEntry(path) for name, path in seed}
+        self._last_version = {name: 1 for name, _ in seed}
+
+    def reserve_version(self, name: str) -> int:
+        """The number for the next load of `name`. Never handed out twice, even if that load
+        is refused and rolled back: a replica that had accepted it keeps it as used."""
+        self._last_version[name] = self._last_version.get(name, 0) + 1
+        return self._last_version[name]
 
     def state(self) -> RegistryState:
         return RegistryState(self._at, dict(self._entries))

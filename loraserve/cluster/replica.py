@@ -22,7 +22,7 @@ from dataclasses import replace
 from ray import serve
 
 from loraserve.cluster.asgi_bridge import HttpReply, HttpRequest, call_app, stream_app
-from loraserve.cluster.registry import EMPTY, RegistryState, RegistryVersion
+from loraserve.cluster.registry import EMPTY, RegistryEntry, RegistryState, RegistryVersion
 from loraserve.cluster.spec import ClusterSpec
 from loraserve.server.adapter_routes import resolve_path
 from loraserve.server.errors import ApiError
@@ -137,7 +137,7 @@ class EngineReplica:
                 if old.get(name) == entry:
                     continue
                 try:
-                    await self._load(name, entry.lora_path, entry.pinned)
+                    await self._load(name, entry)
                 except (LoraServeError, ApiError, OSError) as e:
                     if strict:
                         raise RuntimeError(f"adapter {name} ({entry.lora_path}): {e}") from e
@@ -148,10 +148,18 @@ class EngineReplica:
     def _covers(self, want: RegistryVersion | None) -> bool:
         return self.synced.at.covers(want) or want.epoch in self._old_epochs
 
-    async def _load(self, name: str, lora_path: str, pinned: bool) -> None:
+    async def _load(self, name: str, entry: RegistryEntry) -> None:
+        """The registry's version of `name`, under its number (a replace if another version
+        is here already)."""
         root = self.spec.settings.lora_root
-        await self.aengine.load_lora_adapter(name, resolve_path(lora_path, root), pinned=pinned,
-                                             root=root)
+        snap = await self.aengine.snapshot()
+        live = {a.version for a in snap.adapters if a.name == name and a.registered}
+        path = resolve_path(entry.lora_path, root)
+        if entry.version not in live:
+            await self.aengine.load_lora_adapter(name, path, pinned=entry.pinned, root=root,
+                                                 replace=bool(live), version=entry.version)
+        elif entry.pinned:  # the same version: at most a pin to apply (a no-op load pins it)
+            await self.aengine.load_lora_adapter(name, path, pinned=True, root=root)
         self.names.add(name)
 
     async def _unload(self, name: str) -> None:

@@ -1,8 +1,8 @@
 """`python -m loraserve.demo serve [loraserve serve args]` — what `make serve` runs.
 
-Serves the bundled SmolLM2-135M-Instruct with the demo adapters (pirate, shouty, french) and
-prints ready-to-paste examples. Any other argument goes to `loraserve serve` unchanged; extra
-`--lora-paths` are added to the demo adapters.
+Serves the bundled SmolLM2-135M-Instruct with the demo adapters (pirate, shouty, french) and,
+once the server listens, prints ready-to-paste examples. Any other argument goes to
+`loraserve serve` unchanged; extra `--lora-paths` are added to the demo adapters.
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ def banner(model_name: str, adapters: list[str], host: str, port: int, api_key: 
             '[{"role": "user", "content": "%s"}]}')
     note = "\n(set API_KEY to the --api-key value)" if api_key else ""
     models = ", ".join(f'"{m}"' for m in [model_name, *adapters])
+    with_adapters = f" with LoRA adapters {', '.join(adapters)}" if adapters else ""
     return f"""
-loraserve demo: {model_name} with LoRA adapters {", ".join(adapters)}
-serving at {url} (Ctrl-C to stop); try, once it is up:{note}
+loraserve demo: {model_name}{with_adapters}
+serving at {url} (Ctrl-C to stop); try:{note}
 
   curl -s {url}/v1/models{auth}
 
@@ -64,6 +65,7 @@ serving at {url} (Ctrl-C to stop); try, once it is up:{note}
 
 
 def serve(extra: list[str]) -> int:
+    from loraserve.cli import build_parser, cmd_serve
     from loraserve.cli import main as cli_main
 
     if {"-h", "--help"} & set(extra):
@@ -71,17 +73,34 @@ def serve(extra: list[str]) -> int:
         return cli_main(["serve", "--help"])
     known, rest = _peek(extra)
 
-    from loraserve.demo.adapters import ensure_demo_adapters
     from loraserve.model.bundled import resolve_model_path
 
-    model_dir = resolve_model_path(known.model)
-    adapters = ensure_demo_adapters(model_dir)
+    print("loraserve demo: preparing the model and the demo adapters; the example commands "
+          "follow once the server listens", flush=True)
+    model_dir = resolve_model_path(known.model)  # the bundled GGUF converts here, once
+    adapters = _demo_adapters(model_dir)
     pairs = [f"{name}={path}" for name, path in adapters.items()] + known.lora_paths
     names = list(adapters) + [p.partition("=")[0] for p in known.lora_paths]
-    print(banner(model_dir.name, names, known.host, known.port, known.api_key), flush=True)
     argv = ["serve", *rest, "--lora-paths", *pairs]
     print("running: loraserve " + shlex.join(argv) + "\n", flush=True)
-    return cli_main(argv)
+
+    def ready() -> None:
+        print(banner(model_dir.name, names, known.host, known.port, known.api_key), flush=True)
+
+    return cmd_serve(build_parser().parse_args(argv), on_ready=ready)
+
+
+def _demo_adapters(model_dir) -> dict:
+    """The shipped demo adapters; for another base model they are trained once, which needs
+    peft (a dev dependency): without it the demo serves no demo adapters and says why."""
+    from loraserve.demo.adapters import ensure_demo_adapters
+
+    try:
+        return ensure_demo_adapters(model_dir)
+    except ImportError as e:
+        print(f"loraserve demo: no demo adapters for {model_dir.name}: training them needs "
+              f"{e.name or 'peft'} (make venv-dev installs it)", flush=True)
+        return {}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ from typing import Any
 from loraserve.adapters.daemon_pool import DaemonPool
 from loraserve.adapters.format import read_adapter
 from loraserve.adapters.peft.budget import LoadBudget
+from loraserve.adapters.spill import spill_dir
 from loraserve.engine import messages as M
 from loraserve.types import (
     AdapterLoadCancelledError,
@@ -32,7 +33,15 @@ from loraserve.types import (
 
 log = logging.getLogger("loraserve.engine")
 
-_ACCEPTED = object()  # first item of a stream when add_request succeeded
+
+
+@dataclass(frozen=True)
+class _Accepted:
+    """First item of a stream when add_request succeeded."""
+
+    adapter_version: int | None  # the adapter version the request is bound to
+
+
 _STOP = object()  # ends the engine thread
 
 
@@ -54,6 +63,7 @@ class RequestStream:
         self._owner = owner
         self._q = q
         self.finished = False
+        self.adapter_version: int | None = None  # set once admitted (adapter requests)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -141,6 +151,7 @@ class AsyncEngine:
         if isinstance(first, BaseException):
             stream.finished = True
             raise first
+        stream.adapter_version = first.adapter_version
         return stream
 
     async def generate(self, prompt: M.Prompt, params: SamplingParams,
@@ -176,32 +187,46 @@ class AsyncEngine:
         return await self._ask(M.CheckInvariants())
 
     async def load_lora_adapter(self, name: str, path: str, pinned: bool = False,
-                                root: str | None = None) -> None:
-        """Validate off the engine thread, then commit between steps; a failure changes
-        nothing. `root`: every file read must resolve inside it (--lora-root)."""
-        same = await self._ask(M.CheckAdapterLoad(name, path, pinned))
-        weights = None
-        if not same:  # read + validate on a worker thread: decoding never stalls
-            info = self.info
-            if self._loads is None:
-                self._loads = DaemonPool(2, "lora-admin-load")
-            closing = self._closing
-            read = asyncio.wrap_future(self._loads.submit(  # the budget starts with the read
-                lambda: read_adapter(path, info.model_config, max_lora_rank=info.max_lora_rank,
-                                     allow_pickle=info.allow_pickle_adapters, root=root,
-                                     budget=LoadBudget(cancelled=closing))))
-            self._reads.add(read)
-            try:
-                weights = await read
-            except asyncio.CancelledError:
-                if not self._closing.is_set():
-                    raise  # the caller went away
-                raise AdapterLoadCancelledError(
-                    f"adapter {name!r}: the load was cancelled (the server is shutting "
-                    "down); retry on another replica or later") from None
-            finally:
-                self._reads.discard(read)
-        await self._ask(M.LoadAdapter(name, path, pinned, weights))
+                                root: str | None = None, *, replace: bool = False,
+                                version: int | None = None, owned: bool = False) -> int:
+        """Validate off the engine thread, then commit between steps (the switch of a replace
+        costs no step); a failure changes nothing. `root`: every file read must resolve
+        inside it (--lora-root). `owned`: `path` is a spill copy, which the store keeps as the
+        version's copy on disk, or which is removed here if the load fails. Returns the
+        version now serving under `name`."""
+        try:
+            same = await self._ask(M.CheckAdapterLoad(name, path, pinned, replace))
+            weights = None
+            if not same:  # read + validate on a worker thread: decoding never stalls
+                weights = await self._read(name, path, root)
+            return await self._ask(M.LoadAdapter(name, path, pinned, weights, replace, version,
+                                                 owned))
+        except BaseException:
+            if owned:
+                spill_dir().remove(path)
+            raise
+
+    async def _read(self, name: str, path: str, root: str | None):
+        """The adapter read on a daemon worker within a load budget that shutdown cancels."""
+        info = self.info
+        if self._loads is None:
+            self._loads = DaemonPool(2, "lora-admin-load")
+        closing = self._closing
+        read = asyncio.wrap_future(self._loads.submit(  # the budget starts with the read
+            lambda: read_adapter(path, info.model_config, max_lora_rank=info.max_lora_rank,
+                                 allow_pickle=info.allow_pickle_adapters, root=root,
+                                 budget=LoadBudget(cancelled=closing))))
+        self._reads.add(read)
+        try:
+            return await read
+        except asyncio.CancelledError:
+            if not self._closing.is_set():
+                raise  # the caller went away
+            raise AdapterLoadCancelledError(
+                f"adapter {name!r}: the load was cancelled (the server is shutting down); "
+                "retry on another replica or later") from None
+        finally:
+            self._reads.discard(read)
 
     async def unload_lora_adapter(self, name: str) -> None:
         await self._ask(M.UnloadAdapter(name))
@@ -260,7 +285,8 @@ class AsyncEngine:
         if isinstance(cmd, M.AddRequest):
             if exc is None:
                 self._streams[cmd.request_id] = (env.loop, env.reply)
-            _put(env.loop, env.reply, exc if exc is not None else _ACCEPTED)
+            _put(env.loop, env.reply,
+                 exc if exc is not None else _Accepted(result.adapter_version))
         elif isinstance(cmd, M.AbortRequest):
             entry = self._streams.pop(cmd.request_id, None)
             if entry is not None and result is not None:

@@ -67,9 +67,9 @@ class CudaGraph:
 
     @staticmethod
     def maker() -> Callable[[], CudaGraph]:
-        """Makes the graphs of one engine, on a memory pool of their own. (One pool for the
-        whole process, as before, broke the caching allocator's count of a pool's users on an
-        H200 when a second engine captured.)"""
+        """Makes the graphs of one engine, on a memory pool of their own: with one pool for the
+        whole process, a second engine's capture breaks the caching allocator's count of the
+        pool's users."""
         pool = torch.cuda.graph_pool_handle()
         return lambda: CudaGraph(pool)
 

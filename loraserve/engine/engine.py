@@ -16,12 +16,12 @@ import torch
 
 from loraserve.adapters.disk_loader import DiskLoader
 from loraserve.adapters.format import LoraAdapterWeights, read_adapter
+from loraserve.adapters.residency import ResidencyLimits, residency_class
 from loraserve.adapters.slot_pool import LoraSlotPool
 from loraserve.adapters.stats import AdapterStats
 from loraserve.adapters.store import AdapterStore
 from loraserve.config import EngineConfig
 from loraserve.engine import messages as M
-from loraserve.engine.device import resolve_device
 from loraserve.engine.invariants import InvariantReport, check_engine
 from loraserve.engine.kv_sizing import size_kv_cache
 from loraserve.engine.output_processor import OutputProcessor, to_output
@@ -51,50 +51,39 @@ log = logging.getLogger("loraserve.engine")
 class LLMEngine:
     def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None,
                  device: str | torch.device | None = None):
-        self.config = c = config or EngineConfig()
+        """Wiring only: every choice is made by `EngineConfig.resolve` (device, dtypes,
+        adapter memory, backends, CUDA graphs) and by the model's own config."""
+        self.config = c = (config or EngineConfig()).resolve(device)
         if c.num_threads:
             torch.set_num_threads(c.num_threads)
-        self.device, self.dtype = resolve_device(device or c.device, c.dtype)
+        self.device, self.dtype = torch.device(c.device), getattr(torch, c.dtype)
         self.model_path = resolve_model_path(model)
         self.model = load_model(self.model_path, self.dtype, self.device)
         self.model_config = mc = self.model.config
         self.tokenizer = Tokenizer(self.model_path)
         self.max_model_len = min(c.max_model_len or 10**9, mc.max_position_embeddings)
-        unified = c.lora_memory == "unified" or (c.lora_memory == "auto"
-                                                 and self.device.type == "cpu")
-        # unified: the pool grows as adapters arrive (store._settle), from a few slots
-        first = min(4, c.max_loaded_loras or 4) if unified else c.num_lora_slots
-        lora_dtype = self.dtype if c.lora_dtype == "auto" else c.lora_torch_dtype
-        lora_name = c.lora_backend or (None if self.device.type == "cpu" else "triton")
+        limits = ResidencyLimits.of(c)
         self.slot_pool = LoraSlotPool(
-            mc, first, c.max_lora_rank, dtype=lora_dtype, device=self.device,
-            tile_width=pool_tile_width(lora_name, lora_dtype, self.device))
+            mc, residency_class(c.lora_memory).initial_slots(limits), c.max_lora_rank,
+            dtype=c.lora_torch_dtype, device=self.device,
+            tile_width=pool_tile_width(c.lora_backend, c.lora_torch_dtype, self.device))
         # after the weights and the slot pool: on a GPU the cache gets what they leave
         self.kv_sizing = size_kv_cache(c, mc, self.device, self.dtype)
         num_blocks = self.kv_sizing.tokens // c.block_size
         # decode graphs' padding rows write to a block of their own, within the budget
-        graphs = self.device.type == "cuda" and not c.disable_cuda_graph and num_blocks > 1
+        graphs = not c.disable_cuda_graph and num_blocks > 1
         num_blocks -= graphs
         self.kv = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching)
-        self.store = AdapterStore(self.slot_pool, DiskLoader(self.read_adapter),
-                                  max_loras_per_batch=c.max_loras_per_batch,
-                                  max_loaded_loras=c.max_loaded_loras,
-                                  max_loras_prefetch=c.max_loras_prefetch,
-                                  reserved_names=frozenset({mc.name}), unified=unified,
-                                  unified_prefetch=c.unified_prefetch)
-        lora = create_lora_backend(self.slot_pool, lora_name)
-        default_attention = "cpu" if self.device.type == "cpu" else "triton"
-        attention = create_attention_backend(c.attention_backend or default_attention,
-                                             c.block_size, self.device)
+        self.store = AdapterStore(self.slot_pool, DiskLoader(self.read_adapter), limits,
+                                  memory=c.lora_memory, reserved_names=frozenset({mc.name}),
+                                  max_versions=c.max_adapter_versions)
+        lora = create_lora_backend(self.slot_pool, c.lora_backend)
+        attention = create_attention_backend(c.attention_backend, c.block_size, self.device)
         eos = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
         self.runner = ModelRunner(self.model, c, num_blocks, self.device, attention, lora, eos,
                                   scratch_block=graphs)
         if graphs:
-            try:
-                self.runner.enable_decode_graphs(min(c.cuda_graph_max_bs, c.max_num_seqs),
-                                                 self.max_model_len)
-            except ValueError as e:  # a non-Triton backend was asked for
-                log.warning("decode steps run eagerly: %s", e)
+            self.runner.enable_decode_graphs(c.cuda_graph_max_bs, self.max_model_len)
         self.scheduler = Scheduler(c, self.kv, self.store, eos, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.info = M.EngineInfo(
@@ -230,12 +219,16 @@ class LLMEngine:
         namespace = BASE_NAMESPACE if uid is None else \
             adapter_namespace(self.store.fingerprint(uid))
         parent = self.requests.get(fork_of) if fork_of is not None else None
-        if parent is not None and (parent.prompt_token_ids != ids or parent.adapter_uid != uid):
-            parent = None  # not the same prompt under the same weights: nothing to share
+        if parent is not None and (parent.prompt_token_ids != ids or parent.adapter_uid != uid
+                                   or params.prompt_logprobs is not None):
+            # not the same prompt under the same weights, or its prompt's logits are wanted
+            parent = None
         req = Request(request_id, ids, params, adapter_uid=uid, lora_name=lora_name,
                       generator=gen, origin=origin, client_id=client_id,
                       cache_namespace=namespace,
                       fork_parent=parent)
+        if uid is not None:  # the version it is bound to, for its outputs
+            req.adapter_version = self.store.entries[uid].version
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -256,15 +249,20 @@ class LLMEngine:
                             allow_pickle=self.config.allow_pickle_adapters)
 
     def load_lora_adapter(self, name: str, path: str | os.PathLike, pinned: bool = False,
-                          weights: LoraAdapterWeights | None = None) -> None:
-        """Register `name`. `weights` may be pre-read off-thread; else it is read here."""
+                          weights: LoraAdapterWeights | None = None, *, replace: bool = False,
+                          version: int | None = None, owned: bool = False) -> int:
+        """Register `name` (with `replace`: a new version of it). `weights` may be pre-read
+        off-thread; else it is read here. Returns the version now serving under `name`."""
         path = str(path)
-        if weights is None and not self.store.check_new(name, path, pinned):
+        if weights is None and not self.store.check_new(name, path, pinned, replace):
             weights = self.read_adapter(path)
-        self.store.register(name, path, weights, pinned,
-                            in_use=self.scheduler.running_adapters())
+        entry = self.store.register(name, path, weights, pinned,
+                                    in_use=self.scheduler.running_adapters(), replace=replace,
+                                    version=version, owned=owned)
+        return entry.version
 
     def unload_lora_adapter(self, name: str) -> None:
+        """Unload `name` (every version) or one version, `name@N`."""
         self.store.unregister(name)
 
     def snapshot(self) -> M.EngineSnapshot:
@@ -290,9 +288,11 @@ class LLMEngine:
             case M.AbortRequest():
                 return self.abort(cmd.request_id)
             case M.CheckAdapterLoad():
-                return self.store.check_new(cmd.name, cmd.path, cmd.pinned)
+                return self.store.check_new(cmd.name, cmd.path, cmd.pinned, cmd.replace)
             case M.LoadAdapter():
-                return self.load_lora_adapter(cmd.name, cmd.path, cmd.pinned, cmd.weights)
+                return self.load_lora_adapter(cmd.name, cmd.path, cmd.pinned, cmd.weights,
+                                              replace=cmd.replace, version=cmd.version,
+                                              owned=cmd.owned)
             case M.UnloadAdapter():
                 return self.unload_lora_adapter(cmd.name)
             case M.GetSnapshot():

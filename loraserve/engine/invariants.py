@@ -12,12 +12,15 @@ operation and for operators to call on a live server (/debug/invariants).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from loraserve.engine.engine import LLMEngine
+from loraserve.adapters.store import AdapterStore
+from loraserve.adapters.store_check import check_store
+from loraserve.kvcache.manager import KVCacheManager
+from loraserve.request import Request
+from loraserve.scheduler.scheduler import Scheduler
 
 
 class InvariantError(AssertionError):
@@ -54,7 +57,21 @@ class InvariantReport:
                 "adapters_draining": self.adapters_draining, "adapter_refs": self.adapter_refs}
 
 
-def check_engine(engine: LLMEngine, awaited: Iterable[str] = ()) -> InvariantReport:
+class Detokenizer(Protocol):
+    def tracked_ids(self) -> Iterable[str]: ...
+
+
+class EngineParts(Protocol):
+    """What the check reads of an engine (engine/engine.LLMEngine), all of it read-only."""
+
+    scheduler: Scheduler
+    kv: KVCacheManager
+    store: AdapterStore
+    requests: Mapping[str, Request]  # every request the engine tracks, by id
+    output_processor: Detokenizer
+
+
+def check_engine(engine: EngineParts, awaited: Iterable[str] = ()) -> InvariantReport:
     """`awaited`: request ids someone still waits on outputs for (the server's streams);
     each must be a live request, or its client waits forever."""
     sched, store, kv = engine.scheduler, engine.store, engine.kv
@@ -79,7 +96,7 @@ def check_engine(engine: LLMEngine, awaited: Iterable[str] = ()) -> InvariantRep
             problems.append(f"{r.request_id} forks from a parent that does not know it")
     problems += kv.check(live)
     refs = Counter(r.adapter_uid for r in live if r.adapter_uid is not None)
-    problems += store.check(refs, sched.running_adapters(),
+    problems += check_store(store, refs, sched.running_adapters(),
                             [r.adapter_uid for r in sched.waiting])
     entries = store.entries.values()
     return InvariantReport(

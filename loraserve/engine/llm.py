@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
+from loraserve.adapters.spill import spill_dir
 from loraserve.config import EngineConfig
 from loraserve.types import RequestOutput, SamplingParams
 
@@ -27,10 +29,31 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def load_lora_adapter(self, name: str, path: str | Path, pinned: bool = False) -> None:
-        self.engine.load_lora_adapter(name, path, pinned=pinned)
+    def load_lora_adapter(self, name: str, path: str | Path | None = None, pinned: bool = False,
+                          *, tensors: Mapping[str, torch.Tensor] | None = None, config=None,
+                          replace: bool = False) -> int:
+        """Load a PEFT adapter from its directory, or from memory: `tensors` in PEFT's
+        state-dict names (`peft.get_peft_model_state_dict(model)`) and `config`
+        (adapter_config.json's contents, or the PEFT `LoraConfig`). `replace`: a new version
+        of a loaded name; requests already running finish on the version they started with.
+        Returns the version now serving under `name` (`name@N`)."""
+        if (path is None) == (tensors is None):
+            raise ValueError("give either a path or tensors (with their config)")
+        if tensors is None:
+            return self.engine.load_lora_adapter(name, path, pinned=pinned, replace=replace)
+        if config is None:
+            raise ValueError("tensors need their config (adapter_config.json's contents)")
+        self.engine.store.check_new(name, "", pinned, replace)  # before writing anything
+        copy = spill_dir().write(name, tensors, config)
+        try:
+            return self.engine.load_lora_adapter(name, copy, pinned=pinned, replace=replace,
+                                                 owned=True)
+        except BaseException:
+            spill_dir().remove(copy)
+            raise
 
     def unload_lora_adapter(self, name: str) -> None:
+        """Unload `name` (every version of it) or one version, `name@N`."""
         self.engine.unload_lora_adapter(name)
 
     def generate(

@@ -39,17 +39,23 @@ class CheckAdapterLoad:
     name: str
     path: str
     pinned: bool = False
+    replace: bool = False
 
 
 @dataclass(frozen=True)
 class LoadAdapter:
     """Commit an adapter; `weights` read and validated off the engine thread (None: the
-    same name and path are registered already)."""
+    same name and path are registered already). `replace`: a new version of a loaded name;
+    `version`: the number a deployment chose; `owned`: `path` is a spill copy the store
+    removes with the version. Reply: the version now serving under `name`."""
 
     name: str
     path: str
     pinned: bool = False
     weights: LoraAdapterWeights | None = None
+    replace: bool = False
+    version: int | None = None
+    owned: bool = False
 
 
 @dataclass(frozen=True)

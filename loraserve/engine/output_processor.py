@@ -28,6 +28,9 @@ class OutputProcessor:
         return stopped
 
     def _add_text(self, req: Request) -> None:
+        if not req.output_token_ids:  # it only scored its prompt
+            self.drop(req.request_id)
+            return
         detok, stops = self._state.get(req.request_id) or self._new_state(req)
         stop_token = req.finish_reason is FinishReason.STOP  # EOS or a stop id: not text
         prev = len(req.text)
@@ -74,8 +77,10 @@ def to_output(req: Request) -> RequestOutput:
         error=req.error,
         error_status=req.error_status,
         lora_name=req.lora_name,
+        adapter_version=req.adapter_version,
         logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
         top_logprobs=list(req.top_logprobs) if req.params.logprobs else None,
+        prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
         holdback=req.holdback,
         num_cached_tokens=req.num_cached_tokens or 0,
     )

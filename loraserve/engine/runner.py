@@ -16,8 +16,11 @@ from loraserve.engine.cuda_graphs import DecodeGraphs
 from loraserve.lora.backends import LoraBackend
 from loraserve.model.attention import AttentionBackend, AttentionSeq
 from loraserve.model.llama import LlamaModel
+from loraserve.model.prompt_logprobs import score_tokens
 from loraserve.model.sampler import sample
+from loraserve.request import Request
 from loraserve.scheduler.batch import ScheduledBatch, StepOutput
+from loraserve.types import PromptLogprob
 
 
 class ModelRunner:
@@ -98,17 +101,23 @@ class ModelRunner:
         pos: list[int] = []
         attn_seqs: list[AttentionSeq] = []
         seq_slots: list[tuple[int, int]] = []
-        logits_rows: list[int] = []
+        sample_rows: list[int] = []
         samplers = []
+        scored: list[tuple[Request, int, int]] = []  # (request, prompt position, logits row)
         for req, n in order:
             c = req.num_computed_tokens
             attn_seqs.append(AttentionSeq(len(ids), n, c, req.block_table))
             seq_slots.append((slot_of(req.adapter_uid), n))
+            if req.wants_prompt_logits:  # row of position p predicts prompt token p + 1
+                last = min(c + n, len(req.prompt_token_ids) - 1)
+                scored += [(req, p + 1, len(ids) + p - c) for p in range(c, last)]
             ids.extend(req.all_token_ids[c : c + n])
             pos.extend(range(c, c + n))
-            if c + n == req.num_tokens:  # its known tokens are all computed: it samples
-                logits_rows.append(len(ids) - 1)
+            # its known tokens are all computed: it samples (unless it only scores a prompt)
+            if c + n == req.num_tokens and req.params.max_tokens > 0:
+                sample_rows.append(len(ids) - 1)
                 samplers.append(req)
+        logits_rows = [row for _, _, row in scored] + sample_rows
         dev = self.device
         with torch.inference_mode():
             if self.graphs is not None and self.graphs.fits(attn_seqs, len(samplers)):
@@ -121,11 +130,26 @@ class ModelRunner:
                     self.kv_caches, self.attention, self.attention.prepare(attn_seqs),
                     torch.tensor(logits_rows, dtype=torch.long, device=dev), hook,
                 )
+            scores = self._prompt_scores(scored, logits[: len(scored)])
+            logits = logits[len(scored):]
             if not samplers:
-                return StepOutput.empty()
+                return StepOutput([], [], prompt_logprobs=scores)
             gens = [self.generator if r.generator is None else r.generator for r in samplers]
             res = sample(logits.float(), [r.params for r in samplers], gens,
                          [r.prompt_token_ids for r in samplers],
                          [r.output_token_ids for r in samplers], self.eos_token_ids)
         return StepOutput([r.request_id for r in samplers], res.token_ids, res.logprobs,
-                          res.top_logprobs)
+                          res.top_logprobs, scores)
+
+    @staticmethod
+    def _prompt_scores(scored: list[tuple[Request, int, int]],
+                       logits: torch.Tensor) -> dict[str, list[tuple[int, PromptLogprob]]]:
+        """Each scored row's target logprob, by request: (prompt position, value)."""
+        if not scored:
+            return {}
+        targets = [req.prompt_token_ids[p] for req, p, _ in scored]
+        values = score_tokens(logits, targets, [req.params.prompt_logprobs for req, _, _ in scored])
+        out: dict[str, list[tuple[int, PromptLogprob]]] = {}
+        for (req, p, _), v in zip(scored, values, strict=True):
+            out.setdefault(req.request_id, []).append((p, v))
+        return out

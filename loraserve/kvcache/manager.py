@@ -60,7 +60,7 @@ class KVCacheManager:
 
     # --- checks (no side effects) -----------------------------------------------------------
     def find_prefix(self, req: Request) -> Prefix:
-        if req.block_table:
+        if req.block_table or req.wants_prompt_logits:  # reused K/V would have no logits
             return NO_PREFIX
         limit = (req.num_tokens - 1) // self.block_size  # leave a token to compute
         parent = req.fork_parent
@@ -91,7 +91,8 @@ class KVCacheManager:
     def waits_for_prefix(self, req: Request, prefix: Prefix) -> bool:
         """The first prompt block `req` would compute is being computed by a running request
         under the same namespace: wait for it to be cached instead of computing it again."""
-        if not self._computing or req.block_table or prefix.copy_from is not None:
+        if (not self._computing or req.block_table or prefix.copy_from is not None
+                or req.wants_prompt_logits):
             return False
         k = len(prefix.blocks)
         if k >= (req.num_tokens - 1) // self.block_size:

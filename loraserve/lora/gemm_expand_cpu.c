@@ -2,38 +2,39 @@
  * y = x @ W^T, then for every token of a segment y[tok, cols of module m] += t[tok, o0:o1] @ B_m,
  * with t = x @ A^T (the shrink) computed here too.
  *
- * Why: rows go in x blocks that stay in L2 while the GEMM's panels pass (ops/gemm_cpu.c). The
- * shrink of a block's rows runs first, from that L2 copy: run on its own it read x from memory
- * once more, and for ranks 8-16 that read was its whole cost (x at ~25 GB/s: 100 GF/s at rank
- * 8). Then each register tile of the GEMM goes on over its segment's rank rows before it stores
- * (the expand): y is written once instead of written by the GEMM, then read and written again
- * by the expand (at 2048 tokens that traffic is ~2.5 GB a step).
+ * Why: rows go in x blocks that stay in L2 while the GEMM's panels pass (ops/gemm_tile.h). The
+ * shrink of a block's rows runs first, from that L2 copy: run on its own it reads x from memory
+ * once more, and for small ranks that read is its whole cost. Then each register tile of the
+ * GEMM goes on over its segment's rank rows before it stores (the expand, lora/fused_tile.h):
+ * y is written once instead of written by the GEMM, then read and written again by the expand
+ * (docs/cpu-kernels.md).
  *
- * Same results, bit for bit, as the GEMM followed by lora_sgmv: t by lora/sgmv_cpu.c's own
- * shrink code (each token's sums do not depend on which rows run together), and every y element
- * is its GEMM sum, then + t[j] * B[j] by FMA for j = o0.. in order, in both.
+ * Same results, bit for bit, as the GEMM followed by lora_sgmv: t by the same shrink code
+ * (sgmv_tiles.h; each token's sums do not depend on which rows run together), and every y
+ * element is its GEMM sum, then + t[j] * B[j] for j = o0.. in order, in both.
  *
  * Row tiles never straddle a segment (each tile has one adapter); the column unit of a tile
- * (16 columns with AVX2, 32 with AVX-512) must lie inside one module and one B strip, so
- * every module's columns and the strip width must be multiples of it: gemm_expand_supported()
- * says whether a layout qualifies (returns -3 otherwise; the caller then runs the two ops).
- * A and B are lora/sgmv_cpu.c's layout: A.T as `strip`-column tiles, a module's [r, n] block of
- * B as `strip`-column strips.
+ * (TILE_COLS: 16 columns with AVX2, 32 with AVX-512) must lie inside one module and one B
+ * strip, so every module's columns and the strip width must be multiples of it: gemm_expand
+ * returns -3 otherwise (the caller then runs the two ops). A and B are sgmv_cpu.c's layout:
+ * A.T as `strip`-column tiles, a module's [r, n] block of B as `strip`-column strips.
  */
-#include "../ops/gemm_cpu.c"
-#include "sgmv_cpu.c"
+#include <stdint.h>
 #include <stdlib.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#include "fused_tile.h"
+#include "lora_rows.h"
+#include "sgmv_tiles.h"
+
+#ifdef GEMM_TILES
 #define UNIT TILE_COLS /* GEMM columns per register tile */
 
 int gemm_expand_unit(void) { return UNIT; }
 
-/* Whether this beats the GEMM followed by lora_sgmv on this build. With AVX-512 (Zen 5) the
- * LoRA ops of a 2048-token step cost 0.6 of the separate ops' time; on imitated AVX2
- * 1.12: there the GEMM is slower, so moving y costs relatively less, and its 192 KB x blocks
- * (32 rows at K = 1536) cut segments into short tiles and the shrink into small phases, one
- * barrier each (benchmarks/fused_lora.py, docs/benchmarks.md). */
+/* Whether this beats the GEMM followed by lora_sgmv on this build: with AVX-512 it does; with
+ * AVX2 the GEMM is slower, so moving y costs relatively less, and its smaller x blocks cut
+ * segments into short tiles and the shrink into small phases, one barrier each
+ * (benchmarks/kernels/fused_lora.py re-measures it; docs/cpu-kernels.md). */
 int gemm_expand_preferred(void) {
 #ifdef __AVX512F__
     return 1;
@@ -43,25 +44,25 @@ int gemm_expand_preferred(void) {
 }
 
 /* Whether every part's columns and the strip width are whole units. */
-static int aligned(const int64_t *parts, int64_t npart, int64_t strip) {
+static int aligned(const lora_part *parts, int64_t npart, int64_t strip) {
     if (strip % UNIT) return 0;
     for (int64_t p = 0; p < npart; p++)
-        if (parts[6 * p + 3] % UNIT || parts[6 * p + 4] % UNIT) return 0;
+        if (parts[p].c0 % UNIT || parts[p].c1 % UNIT) return 0;
     return 1;
 }
 
 /* The epilogue of segment s's tiles at columns [cb, cb + UNIT), rows from `row`; 0 when no
  * module of the segment covers those columns. */
-static const lowrank *epilogue(lowrank *lr, const int64_t *g, const int64_t *p0,
-                               const int64_t *p1, int64_t cb, int64_t row, const float *t,
+static const lowrank *epilogue(lowrank *lr, const lora_seg *g, const lora_part *p0,
+                               const lora_part *p1, int64_t cb, int64_t row, const float *t,
                                int64_t ldt, const float *B, int64_t b_slot, int64_t strip) {
-    for (const int64_t *q = p0; q < p1; q += 6) {
-        if (cb < q[3] || cb >= q[4]) continue;
-        const int64_t r = q[2] - q[1], n = q[4] - q[3], lc = cb - q[3], k = lc / strip;
+    for (const lora_part *q = p0; q < p1; q++) {
+        if (cb < q->c0 || cb >= q->c1) continue;
+        const int64_t r = q->o1 - q->o0, n = q->c1 - q->c0, lc = cb - q->c0, k = lc / strip;
         const int64_t sw = n - k * strip < strip ? n - k * strip : strip;
-        lr->t = t + row * ldt + q[1];
+        lr->t = t + row * ldt + q->o0;
         lr->ldt = ldt;
-        lr->e = B + g[0] * b_slot + q[5] + k * strip * r + lc % strip;
+        lr->e = B + g->slot * b_slot + q->boff + k * strip * r + lc % strip;
         lr->lde = sw;
         lr->nj = r;
         return lr;
@@ -69,15 +70,11 @@ static const lowrank *epilogue(lowrank *lr, const int64_t *g, const int64_t *p0,
     return 0;
 }
 
-#ifdef __AVX512F__
-#define TILE(MR) tile512(MR, 2, a, lda, b, K, c, ldc, NR, pf, e, 0)
-#else
-#define TILE(MR) tile(MR, a, lda, b, K, c, ldc, NR, pf, e, 0)
-#endif
+#define TILE(MR) fused_tile(MR, a, lda, b, K, c, ldc, pf, e, 0)
 
 /* rows [r0, r1) of one column unit, all of one segment (e) or of none (e = 0), in tiles of
  * near-equal height: segments and x blocks cut rows anywhere, and full tiles with a 1- or
- * 2-row tail ran the AVX2 build's fused prefill 1.2x slower than the separate ops */
+ * 2-row tail are slow (docs/cpu-kernels.md) */
 static void unit_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, const float *b,
                       int64_t K, float *y, int64_t ldy, const lowrank *e0, const float *pf) {
     lowrank l;
@@ -97,10 +94,6 @@ static void unit_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, const
 }
 #undef TILE
 
-/* Rows of a shrink work item: a multiple of the shrink's 6-token chunks, and short enough
- * that a block's items keep both threads busy whatever the mix of ranks */
-#define SHRINK_ROWS 48
-
 /* One shrink work item: t[r0:r1, c0:c0+w] = x[r0:r1] @ at (one A tile of one segment). */
 typedef struct {
     const float *at;
@@ -109,43 +102,48 @@ typedef struct {
 
 /* The shrink items of x block [m0, m1) into out (when not null); returns their number. */
 static int64_t block_shrinks(int64_t m0, int64_t m1, const float *A, int64_t a_slot,
-                             int64_t K, const int64_t *segs, int64_t nseg, int64_t strip,
+                             int64_t K, const lora_seg *segs, int64_t nseg, int64_t strip,
                              shrink_item *out) {
     int64_t n = 0;
     for (int64_t s = 0; s < nseg; s++) {
-        const int64_t *g = segs + 4 * s, rpad = pad8(g[3]);
-        const int64_t r0 = g[1] > m0 ? g[1] : m0, r1 = g[2] < m1 ? g[2] : m1;
+        const lora_seg *g = segs + s;
+        const int64_t rpad = pad8(g->rank);
+        const int64_t r0 = g->start > m0 ? g->start : m0, r1 = g->end < m1 ? g->end : m1;
         for (int64_t c0 = 0; r0 < r1 && c0 < rpad; c0 += strip)
-            for (int64_t a = r0; a < r1; a += SHRINK_ROWS, n++)
+            for (int64_t a = r0; a < r1; a += EXPAND_SHRINK_ROWS, n++)
                 if (out)
-                    out[n] = (shrink_item){A + g[0] * a_slot + c0 * K, c0,
+                    out[n] = (shrink_item){A + g->slot * a_slot + c0 * K, c0,
                                            rpad - c0 < strip ? rpad - c0 : strip, a,
-                                           a + SHRINK_ROWS < r1 ? a + SHRINK_ROWS : r1};
+                                           a + EXPAND_SHRINK_ROWS < r1 ? a + EXPAND_SHRINK_ROWS
+                                                                       : r1};
     }
     return n;
 }
 
+/* A run of rows [r0, r1) of one segment (seg >= 0) or of none (-1) */
+typedef struct {
+    int64_t r0, r1, seg;
+} row_run;
+
 int gemm_expand(const float *x, int64_t ldx, const float *packed, int64_t M, int64_t N,
                 int64_t K, float *y, int64_t ldy, const float *A, int64_t a_slot, float *t,
-                int64_t ldt, const float *B, int64_t b_slot, const int64_t *segs, int64_t nseg,
-                const int64_t *parts, int64_t npart, int64_t strip, int nthreads) {
-    if (N % UNIT || !aligned(parts, npart, strip) || !lora_accepts_tile(strip)) return -3;
+                int64_t ldt, const float *B, int64_t b_slot, const lora_seg *segs, int64_t nseg,
+                const lora_part *parts, int64_t npart, int64_t strip, int nthreads) {
+    if (N % UNIT || !aligned(parts, npart, strip) || !lora_tile_ok(strip)) return -3;
     for (int64_t s = 0; s < nseg; s++) { /* segments in token order, inside [0, M) */
-        const int64_t *g = segs + 4 * s;
-        if (g[1] > g[2] || g[2] > M || (s && g[1] < segs[4 * s - 2])) return -1;
-        if (pad8(g[3]) > ldt) return -1;
+        const lora_seg *g = segs + s;
+        if (g->start > g->end || g->end > M || (s && g->start < segs[s - 1].end)) return -1;
+        if (pad8(g->rank) > ldt) return -1;
     }
     for (int64_t p = 0; p < npart; p++) /* parts in segment order, as plan_group makes them */
-        if (parts[6 * p] < 0 || parts[6 * p] >= nseg || (p && parts[6 * p] < parts[6 * p - 6]))
+        if (parts[p].seg < 0 || parts[p].seg >= nseg || (p && parts[p].seg < parts[p - 1].seg))
             return -1;
-    /* x rows per block, as gemm_packed: the block stays in L2 while the panels pass */
-    int64_t mc = (GEMM_XBLOCK * 1024 / 4) / K;
-    if (mc < TILE_ROWS) mc = TILE_ROWS;
-    const int64_t blocks = (M + mc - 1) / mc, units = N / UNIT;
-    mc = ((M + blocks - 1) / blocks + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
-    /* runs of rows: (first row, end, segment or -1), covering [0, M); shrink items by block */
-    int64_t *runs = malloc((2 * nseg + 1) * 3 * sizeof *runs);
-    int64_t *pstart = malloc((nseg + 1) * sizeof *pstart), *bstart = malloc((blocks + 1) * sizeof *bstart);
+    int64_t blocks; /* x rows per block, as gemm_packed: the block stays in L2 */
+    const int64_t mc = gemm_block_rows(M, K, &blocks), units = N / UNIT;
+    /* runs of rows covering [0, M); shrink items by block */
+    row_run *runs = malloc((2 * nseg + 1) * sizeof *runs);
+    int64_t *pstart = malloc((nseg + 1) * sizeof *pstart);
+    int64_t *bstart = malloc((blocks + 1) * sizeof *bstart);
     int64_t nitems = 0;
     for (int64_t b = 0; b < blocks; b++)
         nitems += block_shrinks(b * mc, b * mc + mc, A, a_slot, K, segs, nseg, strip, 0);
@@ -160,13 +158,14 @@ int gemm_expand(const float *x, int64_t ldx, const float *packed, int64_t M, int
                                                   nseg, strip, items + bstart[b]);
     int64_t nrun = 0, row = 0;
     for (int64_t s = 0; s <= nseg; s++) {
-        const int64_t start = s < nseg ? segs[4 * s + 1] : M;
-        if (start > row) { runs[3 * nrun] = row; runs[3 * nrun + 1] = start; runs[3 * nrun++ + 2] = -1; }
+        const int64_t start = s < nseg ? segs[s].start : M;
+        if (start > row) runs[nrun++] = (row_run){row, start, -1};
         if (s == nseg) break;
-        runs[3 * nrun] = start; runs[3 * nrun + 1] = row = segs[4 * s + 2]; runs[3 * nrun++ + 2] = s;
+        runs[nrun++] = (row_run){start, segs[s].end, s};
+        row = segs[s].end;
     }
     for (int64_t s = 0, p = 0; s <= nseg; s++) {
-        while (p < npart && parts[6 * p] < s) p++;
+        while (p < npart && parts[p].seg < s) p++;
         pstart[s] = p;
     }
 #pragma omp parallel num_threads(nthreads)
@@ -184,14 +183,14 @@ int gemm_expand(const float *x, int64_t ldx, const float *packed, int64_t M, int
             const float *bp = packed + cb * K; /* this unit's panels: UNIT / NR of them */
             const float *pf = m1 - m0 > TILE_ROWS && u + 1 < units ? bp + UNIT * K : 0;
             for (int64_t i = 0; i < nrun; i++) {
-                const int64_t *rn = runs + 3 * i;
-                const int64_t r0 = rn[0] > m0 ? rn[0] : m0, r1 = rn[1] < m1 ? rn[1] : m1;
+                const row_run *rn = runs + i;
+                const int64_t r0 = rn->r0 > m0 ? rn->r0 : m0, r1 = rn->r1 < m1 ? rn->r1 : m1;
                 if (r0 >= r1) continue;
                 lowrank l;
                 const lowrank *e = 0;
-                if (rn[2] >= 0)
-                    e = epilogue(&l, segs + 4 * rn[2], parts + 6 * pstart[rn[2]],
-                                 parts + 6 * pstart[rn[2] + 1], cb, r0, t, ldt, B, b_slot, strip);
+                if (rn->seg >= 0)
+                    e = epilogue(&l, segs + rn->seg, parts + pstart[rn->seg],
+                                 parts + pstart[rn->seg + 1], cb, r0, t, ldt, B, b_slot, strip);
                 unit_rows(x, ldx, r0, r1, bp, K, y + cb, ldy, e, pf);
                 pf = 0;
             }
@@ -205,8 +204,8 @@ int gemm_expand_unit(void) { return 0; }
 int gemm_expand_preferred(void) { return 0; }
 int gemm_expand(const float *x, int64_t ldx, const float *packed, int64_t M, int64_t N,
                 int64_t K, float *y, int64_t ldy, const float *A, int64_t a_slot, float *t,
-                int64_t ldt, const float *B, int64_t b_slot, const int64_t *segs, int64_t nseg,
-                const int64_t *parts, int64_t npart, int64_t strip, int nthreads) {
+                int64_t ldt, const float *B, int64_t b_slot, const lora_seg *segs, int64_t nseg,
+                const lora_part *parts, int64_t npart, int64_t strip, int nthreads) {
     (void)x; (void)ldx; (void)packed; (void)M; (void)N; (void)K; (void)y; (void)ldy; (void)t;
     (void)A; (void)a_slot;
     (void)ldt; (void)B; (void)b_slot; (void)segs; (void)nseg; (void)parts; (void)npart;

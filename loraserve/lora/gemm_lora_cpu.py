@@ -95,8 +95,8 @@ def gemm_expand(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, d_out: 
     runs the two ops).
 
     x: float32 [T, d_in], unit column stride; A, B: the slot pool's [S, floats] tensors of one
-    layer and group; segs int64 [n, 4] (slot, start, end, rank) in token order; parts int64
-    [m, 6] (seg, o0, o1, c0, c1, boff) in segment order; strip: the pool's tile width."""
+    layer and group; segs int64 [n, 4] (sgmv_cpu.SEG_FIELDS) in token order; parts int64
+    [m, 6] (sgmv_cpu.PART_FIELDS) in segment order; strip: the pool's tile width."""
     _check(x, A, B)
     m, k = x.shape
     ldt = padded_rank(max_rank)
@@ -112,8 +112,9 @@ def gemm_expand(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, d_out: 
 class DecodeCall:
     """`gemm_lora_decode` for one group of one step, with what every layer shares made once:
     the segment and part arrays' addresses, the shrink's scratch t, and the C side's work plan
-    (made by the first call, freed with this object). A decode step makes 120 of these calls;
-    the per-call Python was ~5 us of ~12. Not for two threads at once (nor is a step)."""
+    (made by the first call, freed with this object). A decode step makes one call per layer
+    and group, each a few microseconds of C, so per-call Python shows. Not for two threads at
+    once (nor is a step)."""
 
     __slots__ = ("fn", "segs", "parts", "t", "args", "plan", "__weakref__")
 

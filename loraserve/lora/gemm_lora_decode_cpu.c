@@ -1,40 +1,41 @@
 /* A decode step's base projection and its LoRA op in one parallel region, interleaved so
  * that reading the adapters' weights overlaps the GEMM's arithmetic.
  *
- * Why: at decode (a few tokens per adapter) the LoRA op only streams weights: 16 adapters of
- * ranks 8-64 on SmolLM2 are ~590 MB a step, ~15 ms at what two cores read, on top of a GEMM
- * that is bound by its FMAs and leaves memory idle. Here each thread runs its share of the
- * GEMM's column units and, inside each tile's K loop, prefetches the LoRA work it does next
- * (ops/gemm_cpu.c's `fetch` streams, a line every few k steps); after each column unit it runs
- * the work whose weights have arrived, now from cache.
+ * Why: at decode (a few tokens per adapter) the LoRA op only streams weights, hundreds of MB a
+ * step for a few dozen adapters, on top of a GEMM that is bound by its FMAs and leaves memory
+ * idle. Here each thread runs its share of the GEMM's column units and, inside each tile's K
+ * loop, prefetches the LoRA work it does next (fused_tile.h's `fetch` streams, a line every few
+ * k steps); after each column unit it runs the work whose weights have arrived, now from cache.
  *
- * The plan (gemm_lora_decode_plan.c, made once per step and group) gives each thread its
+ * The plan (gemm_lora_decode_plan.h, made once per step and group) gives each thread its
  * columns, then shrinks t = x @ A.T balanced by bytes with the first part of its columns, then
  * the expands of its own columns with the rest. There is no barrier: an expand runs once the
  * GEMM units of its columns are done and so are its segment's shrinks. A thread out of work
  * takes what the others have not started: shrinks, ready expands, and GEMM units from the end
  * of their ranges (each claimed atomically, so run exactly once). Results are the same, bit for
  * bit, as the GEMM followed by lora_sgmv: the same shrink and expand code, each y element its
- * GEMM sum and then + t[j] * B[j] by FMA in order.
- *
- * Measured (benchmarks/fused_lora.py, SmolLM2 shapes, 64 tokens over 16 adapters): the LoRA
- * ops add 0.36 of what they add run separately on Zen 5 (5.7 against 15.9 ms a step), 0.68 on
- * imitated AVX2 (11.1 against 16.4 ms; session 15, after ops/gemm_cpu.c's AVX2 fetch hints).
+ * GEMM sum and then + t[j] * B[j] in order. What it saves against the two ops run apart:
+ * benchmarks/kernels/fused_lora.py (docs/cpu-kernels.md).
  */
-#include "../ops/gemm_cpu.c"
-#include "sgmv_cpu.c"
 #include <omp.h>
+#include <stdint.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#include "fused_tile.h"
+#include "lora_rows.h"
+#include "sgmv_tiles.h"
+
+#ifdef GEMM_TILES
+#include "gemm_lora_decode_plan.h"
+
 #define UNIT TILE_COLS /* GEMM columns per register tile */
 #define MAX_THREADS 256 /* more threads: refused (-3), the caller runs the two ops */
-#include "gemm_lora_decode_plan.c"
 
 typedef struct { /* one call's arguments */
     const float *x, *packed, *A, *B;
     float *y, *t;
     int64_t ldx, ldy, ldt;
-    const int64_t *segs, *parts;
+    const lora_seg *segs;
+    const lora_part *parts;
 } call;
 
 static int claim(int64_t *stamp, int64_t gen) {
@@ -48,7 +49,7 @@ static int stamped(const int64_t *stamp, int64_t gen) {
  * shrinks are done. */
 static int ready(const dplan *pl, int64_t i) {
     const work *w = pl->items + i;
-    if (w->kind == 0) return 1;
+    if (w->kind == SHRINK) return 1;
     for (int64_t u = w->u0; u < w->u1; u++)
         if (!stamped(pl->unit_done + u, pl->gen)) return 0;
     for (int64_t j = pl->seg_shrinks[w->seg]; j < pl->seg_shrinks[w->seg + 1]; j++)
@@ -60,14 +61,15 @@ static int ready(const dplan *pl, int64_t i) {
 static int run_item(const call *c, dplan *pl, int64_t i) {
     if (!claim(pl->claimed + i, pl->gen)) return 0;
     const work *w = pl->items + i;
-    const int64_t *g = c->segs + 4 * w->seg;
-    if (w->kind == 0) {
-        shrink_tokens(c->x, c->ldx, c->A + w->off, pl->K, w->b, g[1], g[2], c->t + w->a, c->ldt);
+    const lora_seg *g = c->segs + w->seg;
+    if (w->kind == SHRINK) {
+        shrink_tokens(c->x, c->ldx, c->A + w->off, pl->K, w->width, g->start, g->end,
+                      c->t + w->col, c->ldt);
         __atomic_store_n(pl->done + i, pl->gen, __ATOMIC_RELEASE);
     } else {
-        const int64_t *q = c->parts + 6 * w->a;
-        expand_rows(c->t, c->ldt, c->B + w->off, pl->tile, q[1], q[2], q[3] + w->b, w->c, g[1],
-                    g[2], c->y, c->ldy);
+        const lora_part *q = c->parts + w->part;
+        expand_rows(c->t, c->ldt, c->B + w->off, pl->tile, q->o0, q->o1, q->c0 + w->col,
+                    w->width, g->start, g->end, c->y, c->ldy);
     }
     return 1;
 }
@@ -84,18 +86,18 @@ typedef struct {
  * budget (tiles: the row tiles left in the unit), at most `room`, from at most two items; 0 when
  * f has no lines (stream 0 included). */
 static const fetch *next_lines(cursor *cu, int64_t tiles, int64_t room, fetch *f) {
-    int64_t want = (cu->budget / tiles + STREAM_LINE - 1) / STREAM_LINE;
+    int64_t want = (cu->budget / tiles + LINE_FLOATS - 1) / LINE_FLOATS;
     want = want < room ? want : room;
     f->n[1] = f->n[2] = 0;
     for (int s = 1; s < 3 && want > 0 && cu->wi < cu->n; s++) {
         const work *w = cu->pl->items + cu->list[cu->wi];
-        const int64_t left = (w->n - cu->off + STREAM_LINE - 1) / STREAM_LINE;
+        const int64_t left = (w->n - cu->off + LINE_FLOATS - 1) / LINE_FLOATS;
         const int64_t take = want < left ? want : left;
-        f->p[s] = (w->kind ? cu->c->B : cu->c->A) + w->off + cu->off;
+        f->p[s] = (w->kind == EXPAND ? cu->c->B : cu->c->A) + w->off + cu->off;
         f->n[s] = take;
-        cu->off += take * STREAM_LINE;
+        cu->off += take * LINE_FLOATS;
         if (cu->off >= w->n) cu->wi++, cu->off = 0;
-        cu->budget -= take * STREAM_LINE;
+        cu->budget -= take * LINE_FLOATS;
         want -= take;
     }
     return f->n[0] + f->n[1] + f->n[2] ? f : 0;
@@ -103,19 +105,16 @@ static const fetch *next_lines(cursor *cu, int64_t tiles, int64_t room, fetch *f
 
 /* GEMM column unit u of all M rows, each row tile fetching the cursor's next lines (cu: 0,
  * none). The next unit's panels (when `next`) are fetched too, one line per k step by the first
- * row tiles (2 of 8 at 64 rows with AVX-512), which then fetch no LoRA lines; with too few row
- * tiles for that, by the first tile as the plain GEMM does (`pf`, into L1), again alone.
- * Measured against the plain GEMM's way with LoRA lines in every tile (benchmarks/fused_lora.py
- * shapes, 64 tokens, in-process A/Bs of 31 rounds): the first tile without LoRA lines, -0.8 ms
- * a step; the panels spread at one line per k, -0.9 ms more natively (neutral on imitated
- * AVX2, where a unit's one panel is one tile's lines); spread over all 8 tiles, or 4 or 6,
- * 0.6-1.8 ms slower than over 2. */
+ * row tiles (as few as hold them: 2 of 8 at 64 rows with AVX-512), which then fetch no LoRA
+ * lines; with too few row tiles for that, by the first tile as the plain GEMM does (`pf`),
+ * again alone. Each of those choices beat the plain GEMM's way with LoRA lines in every tile
+ * (kernel_ab.py decode-op; docs/cpu-kernels.md). */
 static void gemm_unit(const call *c, const dplan *pl, int64_t u, int next, cursor *cu) {
     const int64_t M = pl->M, K = pl->K, tiles = (M + TILE_ROWS - 1) / TILE_ROWS;
     const float *b = c->packed + u * UNIT * K;
     float *y = c->y + u * UNIT;
     const float *panels = M > TILE_ROWS && next ? b + UNIT * K : 0; /* the next unit's */
-    const int64_t plines = UNIT * K / STREAM_LINE, ptiles = (plines + K - 1) / K;
+    const int64_t plines = UNIT * K / LINE_FLOATS, ptiles = (plines + K - 1) / K;
     const int spread = panels && cu && tiles > ptiles;
     for (int64_t r = 0, i = 0; r < M; r += TILE_ROWS, i++) {
         const int64_t m = M - r < TILE_ROWS ? M - r : TILE_ROWS;
@@ -123,16 +122,12 @@ static void gemm_unit(const call *c, const dplan *pl, int64_t u, int next, curso
         f.n[0] = 0;
         if (spread && i < ptiles) { /* its share of the panels' lines: no room for LoRA's */
             const int64_t l0 = i * K, l1 = l0 + K < plines ? l0 + K : plines;
-            f.p[0] = panels + l0 * STREAM_LINE, f.n[0] = l1 - l0;
+            f.p[0] = panels + l0 * LINE_FLOATS, f.n[0] = l1 - l0;
         }
         const float *pf = !spread && i == 0 ? panels : 0; /* not spread: the first tile's */
         const fetch *fs = cu && !pf ? next_lines(cu, tiles - i, K - f.n[0], &f) : 0;
         const float *a = c->x + r * c->ldx;
-#ifdef __AVX512F__
-#define T_(MR) tile512(MR, 2, a, c->ldx, b, K, y + r * c->ldy, c->ldy, NR, pf, 0, fs)
-#else
-#define T_(MR) tile(MR, a, c->ldx, b, K, y + r * c->ldy, c->ldy, NR, pf, 0, fs)
-#endif
+#define T_(MR) fused_tile(MR, a, c->ldx, b, K, y + r * c->ldy, c->ldy, pf, 0, fs)
         SWITCH_ROWS(m, T_)
 #undef T_
     }
@@ -142,13 +137,13 @@ static void gemm_unit(const call *c, const dplan *pl, int64_t u, int next, curso
 /* My GEMM units [u, ue) (ulast: the end of my range), prefetching `floats` of list[*done..n)
  * spread over them; after each unit, runs the listed items fully fetched and ready. Stops at a
  * unit another thread has taken (they take from the end: so are the rest). Budget a unit could
- * not use carries over (reset per unit and one item per row tile, the fetches lagged: 16% of
- * the expands were left to run from memory after the last unit). */
+ * not use carries over (reset per unit, and one item per row tile, the fetches lagged and left
+ * expands to run from memory after the last unit). */
 static void units_with_work(const call *c, dplan *pl, int64_t u, int64_t ue, int64_t ulast,
                             const int64_t *list, int64_t n, int64_t *done, int64_t floats) {
     cursor cu = {c, pl, list, n, *done, 0, 0};
     /* spread over all but the last unit: the fetches run ahead of the work (spread over all of
-     * them, ~12% of the expands were still unfetched after the last unit) */
+     * them, some expands were still unfetched after the last unit) */
     const int64_t spread = ue - u > 1 ? ue - u - 1 : 1, per_unit = (floats + spread - 1) / spread;
     for (; u < ue; u++) {
         if (!claim(pl->unit_claimed + u, pl->gen)) return;
@@ -160,7 +155,7 @@ static void units_with_work(const call *c, dplan *pl, int64_t u, int64_t ue, int
 
 /* Until no work is left unclaimed: every thread's ready items (mine first), then, when none
  * was ready, one GEMM unit from the end of a range. Each pass starts past the items known to be
- * claimed (a full rescan after each item made this quadratic: ~80 us a call). */
+ * claimed (a full rescan after each item made this quadratic in the items). */
 static void finish(const call *c, dplan *pl, int th) {
     const int nt = pl->nt;
     int64_t from[2 * MAX_THREADS] = {0}; /* per thread: shrinks, expands before these are claimed */
@@ -195,8 +190,8 @@ static void finish(const call *c, dplan *pl, int th) {
 
 int gemm_lora_decode(const float *x, int64_t ldx, const float *packed, int64_t M, int64_t N,
                      int64_t K, float *y, int64_t ldy, const float *A, int64_t a_slot,
-                     const float *B, int64_t b_slot, const int64_t *segs, int64_t nseg,
-                     const int64_t *parts, int64_t npart, float *t, int64_t ldt, int64_t tile,
+                     const float *B, int64_t b_slot, const lora_seg *segs, int64_t nseg,
+                     const lora_part *parts, int64_t npart, float *t, int64_t ldt, int64_t tile,
                      int nthreads, void **plan_slot) {
     dplan *pl = *plan_slot;
     if (!pl || pl->nt != nthreads || pl->M != M || pl->N != N || pl->K != K ||
@@ -204,14 +199,14 @@ int gemm_lora_decode(const float *x, int64_t ldx, const float *packed, int64_t M
         free_plan(pl); /* a plan is for one step's segments: only the shapes can differ */
         *plan_slot = 0;
         /* the layout, checked once per plan (segs and parts do not change under it) */
-        if (!lora_accepts_tile(tile) || tile % UNIT || N % UNIT || nthreads > MAX_THREADS)
+        if (!lora_tile_ok(tile) || tile % UNIT || N % UNIT || nthreads > MAX_THREADS)
             return -3;
         for (int64_t p = 0; p < npart; p++) /* modules of whole units (so strips are too) */
-            if (parts[6 * p + 3] % UNIT || parts[6 * p + 4] % UNIT) return -3;
-        int64_t mods[2 * MAX_MODULES];
+            if (parts[p].c0 % UNIT || parts[p].c1 % UNIT) return -3;
+        col_range mods[MAX_MODULES];
         if (module_ranges(parts, npart, mods, MAX_MODULES) == MAX_MODULES) return -3;
         for (int64_t s = 0; s < nseg; s++)
-            if (pad8(segs[4 * s + 3]) > ldt) return -1;
+            if (pad8(segs[s].rank) > ldt) return -1;
         *plan_slot = pl = make_plan(nthreads, M, N, K, a_slot, b_slot, segs, nseg, parts,
                                     npart, tile, UNIT);
         if (!pl) return -2;
@@ -240,8 +235,8 @@ void gemm_lora_decode_free(void *plan) { free_plan(plan); }
 #else
 int gemm_lora_decode(const float *x, int64_t ldx, const float *packed, int64_t M, int64_t N,
                      int64_t K, float *y, int64_t ldy, const float *A, int64_t a_slot,
-                     const float *B, int64_t b_slot, const int64_t *segs, int64_t nseg,
-                     const int64_t *parts, int64_t npart, float *t, int64_t ldt, int64_t tile,
+                     const float *B, int64_t b_slot, const lora_seg *segs, int64_t nseg,
+                     const lora_part *parts, int64_t npart, float *t, int64_t ldt, int64_t tile,
                      int nthreads, void **plan_slot) {
     (void)plan_slot;
     (void)x; (void)ldx; (void)packed; (void)M; (void)N; (void)K; (void)y; (void)ldy; (void)A;

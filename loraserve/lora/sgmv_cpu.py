@@ -18,7 +18,13 @@ from loraserve.lora.layout import padded_rank
 from loraserve.ops.cbuild import CFLAGS, load_library
 
 SOURCE = Path(__file__).with_name("sgmv_cpu.c")
-__all__ = ["CFLAGS", "SOURCE", "accepts_tile", "load", "preferred_tile", "sgmv"]
+__all__ = ["CFLAGS", "PART_FIELDS", "SEG_FIELDS", "SOURCE", "accepts_tile", "load",
+           "preferred_tile", "sgmv"]
+
+# The columns of the int64 rows every LoRA kernel reads, in order: the fields of lora_seg and
+# lora_part in lora/lora_rows.h (the kernels read the tensors as arrays of those structs).
+SEG_FIELDS = ("slot", "start", "end", "rank")
+PART_FIELDS = ("seg", "o0", "o1", "c0", "c1", "boff")
 
 # adapter weight dtype -> extra compiler flags of its build (the kernel widens bf16 on load)
 WEIGHT_FLAGS = {torch.float32: [], torch.bfloat16: ["-DLORA_BF16"]}
@@ -64,8 +70,8 @@ def sgmv(lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor, A: torch.Tensor,
     """y += segmented LoRA delta, in place (see sgmv_cpu.c for the argument layout).
 
     x: [T, d_in], y: [T, d_out] float32 with unit column stride; A: [S, R * d_in] and
-    B: [S, block floats] contiguous; segs int64 [n, 4] (slot, start, end, rank); parts int64 [m, 6]
-    (seg, o0, o1, c0, c1, boff); tile: the pool's tile width (layout.py)."""
+    B: [S, block floats] contiguous; segs int64 [n, 4] (SEG_FIELDS); parts int64 [m, 6]
+    (PART_FIELDS); tile: the pool's tile width (layout.py)."""
     if x.stride(1) != 1 or y.stride(1) != 1 or not (A.is_contiguous() and B.is_contiguous()):
         raise ValueError("sgmv needs unit column strides and contiguous A/B")
     if not A.dtype == B.dtype == lib.weight_dtype or x.dtype != torch.float32:

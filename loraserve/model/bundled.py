@@ -76,12 +76,15 @@ def _convert(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from loraserve.model.gguf_parse_once import parse_once
+
     pkg_dir, name = str(gguf.parent), gguf.name
     try:
-        tok = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=name, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            pkg_dir, gguf_file=name, dtype=torch.float32, local_files_only=True
-        )
+        with parse_once():
+            tok = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=name, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(
+                pkg_dir, gguf_file=name, dtype=torch.float32, local_files_only=True
+            )
     except Exception as e:  # transformers raises many types, some over several lines
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         raise ValueError(f"cannot convert GGUF file {gguf}: "
@@ -107,7 +110,7 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def default_model_dir() -> Path:
-    """The bundled model's HF checkpoint directory, converting it on first use (~30 s)."""
+    """The bundled model's HF checkpoint directory, converting it on first use."""
     target = cache_root() / "models" / MODEL_NAME
     try:
         gguf: Path | None = gguf_path()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm.auto import tqdm
 
 from loraserve.model.families import read_model_config
 from loraserve.model.linear import BiasedLinear, Linear
@@ -64,7 +65,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     proj = (["qkv_proj"], ["gate_up_proj"]) if c.fused_modules else (
         ["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"])
     layers = []
-    for i in range(c.num_hidden_layers):
+    # a bar in a terminal (packing a large model's projections takes a while), none in logs
+    for i in tqdm(range(c.num_hidden_layers), desc="loading weights", unit="layer",
+                  disable=None, leave=False):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         qk_norm = qk_full_norm = None

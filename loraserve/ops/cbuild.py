@@ -1,11 +1,13 @@
 """Build a C source of ours once into a shared library and load it with ctypes.
 
-A library is compiled once per source, compiler, CPU (it is built with `-march=native`) and
-flag set into `$LORASERVE_CACHE/kernels/`, written to a temp file and renamed into place so
-concurrent processes never load a half-written file. It links the libgomp that torch has
-already loaded, so our kernels and torch share one OpenMP thread pool. Where no C compiler is
-found or the build fails, `load_library` returns None (with one warning) and the caller falls
-back to its torch path.
+A library is one translation unit: a kernel's `.c` file and the headers it includes (shared
+code lives in headers, static inline: ops/simd.h, ops/tuning.h, ops/gemm_tile.h, lora/*.h).
+It is compiled once per source text (its headers' included), compiler, CPU (it is built with
+`-march=native`) and flag set into `$LORASERVE_CACHE/kernels/`, written to a temp file and
+renamed into place so concurrent processes never load a half-written file. It links the
+libgomp that torch has already loaded, so our kernels and torch share one OpenMP thread pool.
+Where no C compiler is found or the build fails, `load_library` returns None (with one
+warning) and the caller falls back to its torch path.
 
 `LORASERVE_CPU_ARCH` (default `native`) is the `-march` of every build: `x86-64-v3` builds for
 AVX2, to imitate an AVX2-only host on an AVX-512 one (see docs/benchmarks.md).
@@ -46,13 +48,18 @@ def arch_flags() -> list[str]:
     return [f"-march={os.environ.get('LORASERVE_CPU_ARCH', 'native')}"]
 
 
-def _source_texts(source: Path) -> list[str]:
-    """The text of `source` and of the files it includes with `#include "..."` (ours, e.g.
-    lora/gemm_expand_cpu.c includes ops/gemm_cpu.c), so an edit to either rebuilds it."""
+def _source_texts(source: Path, seen: set[Path] | None = None) -> list[str]:
+    """The text of `source` and of the headers it includes with `#include "..."`, each once
+    (e.g. lora/gemm_expand_cpu.c includes ops/gemm_tile.h, which includes ops/simd.h), so an
+    edit to any of them rebuilds it."""
+    seen = set() if seen is None else seen
+    seen.add(source)
     text = source.read_text()
     out = [text]
-    for m in re.finditer(r'^#include "([^"]+)"', text, re.MULTILINE):
-        out += _source_texts((source.parent / m.group(1)).resolve())
+    for m in re.finditer(r'^\s*#\s*include "([^"]+)"', text, re.MULTILINE):
+        dep = (source.parent / m.group(1)).resolve()
+        if dep not in seen:
+            out += _source_texts(dep, seen)
     return out
 
 

@@ -3,7 +3,7 @@ CPU tensors (one pass over memory each), torch's ops for anything else (GPU, bf1
 no C compiler). Each function states the torch expression it computes.
 
 `LORASERVE_FUSED_CPU=0` (or `set_enabled(False)`) takes the torch path on CPU too: for
-comparisons (benchmarks/fused_ops_ab.py).
+comparisons (`benchmarks/kernels/kernel_ab.py elementwise`).
 """
 
 from __future__ import annotations

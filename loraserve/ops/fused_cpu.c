@@ -6,8 +6,8 @@
  *   rope:         rotate q and k in place (rotate-half layout) from cos/sin tables by position
  *
  * Why: torch runs each of these as 3-6 separate kernels (rms_norm alone is pow, mean, add,
- * rsqrt, mul, mul), each a pass over [T, d] and a dispatch from Python; in a 2048-token
- * prefill step that was ~15% of the step beside the GEMMs. Rows are split over OpenMP threads
+ * rsqrt, mul, mul), each a pass over [T, d] and a dispatch from Python: a visible share of a
+ * long prefill step beside the GEMMs (docs/cpu-kernels.md). Rows are split over OpenMP threads
  * when there is enough work. Rows have unit stride within; row strides are arguments, so
  * views of the fused qkv / gate_up outputs are read in place.
  * Built with -ffp-contract=off: the adds and products round as torch's do (rope and the
@@ -16,11 +16,11 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
 
-#define PAR_MIN_ELEMS (1 << 16) /* below this a thread team costs more than it saves */
+#include "simd.h"
+#include "tuning.h"
+
+#define PAR_MIN_ELEMS ELEMWISE_PARALLEL_MIN
 
 static inline float row_rstd(const float *x, int64_t d, float eps) {
     float acc[16] = {0};
@@ -80,18 +80,18 @@ static inline float exp_approx(float x) {
 }
 
 #ifdef __AVX2__
+#define HAVE_EXP8 1
 /* exp_approx on 8 lanes (same polynomial; n rounded by the 1.5 * 2^23 trick). gcc does not
  * vectorize the scalar loop below by itself: the clamps are branches it will not if-convert
- * under trapping math, and the scalar loop ran 4x slower than torch's silu + mul. */
-typedef float v8f __attribute__((vector_size(32)));
+ * under trapping math, and the scalar loop was several times slower than torch's silu + mul.
+ * Plain operators, not f32x8_fma: built with -ffp-contract=off, each step rounds as written. */
 typedef int32_t v8i __attribute__((vector_size(32)));
 
-static inline v8f exp8(v8f x) {
-    x = (v8f)_mm256_min_ps(_mm256_max_ps((__m256)x, _mm256_set1_ps(-87.f)),
-                           _mm256_set1_ps(88.f));
-    const v8f n = (x * 1.44269504f + 12582912.f) - 12582912.f;
-    const v8f r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-    return EXP_POLY(r) * (v8f)((__builtin_convertvector(n, v8i) + 127) << 23);
+static inline f32x8 exp8(f32x8 x) {
+    x = f32x8_min(f32x8_max(x, f32x8_set1(-87.f)), f32x8_set1(88.f));
+    const f32x8 n = (x * 1.44269504f + 12582912.f) - 12582912.f;
+    const f32x8 r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+    return EXP_POLY(r) * (f32x8)((__builtin_convertvector(n, v8i) + 127) << 23);
 }
 #endif
 
@@ -102,13 +102,10 @@ void silu_mul(const float *gu, int64_t ldg, float *out, int64_t ldo, int64_t T, 
         const float *g = gu + t * ldg, *u = g + inter;
         float *o = out + t * ldo;
         int64_t i = 0;
-#ifdef __AVX2__
+#ifdef HAVE_EXP8
         for (; i + 8 <= inter; i += 8) {
-            v8f gv, uv;
-            memcpy(&gv, g + i, sizeof gv);
-            memcpy(&uv, u + i, sizeof uv);
-            const v8f ov = gv / (1.f + exp8(-gv)) * uv;
-            memcpy(o + i, &ov, sizeof ov);
+            const f32x8 gv = f32x8_load(g + i), uv = f32x8_load(u + i);
+            f32x8_store(o + i, gv / (1.f + exp8(-gv)) * uv);
         }
 #endif
         for (; i < inter; i++) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];

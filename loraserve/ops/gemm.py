@@ -1,13 +1,12 @@
 """The fastest float32 GEMM this CPU has, shared by the model's projections and the LoRA op.
 
-Three backends, chosen from measurements (docs/benchmarks.md, benchmarks/gemm_shapes.py):
+Three backends, chosen from measurements (benchmarks/kernels/gemm_shapes.py re-measures them;
+the figures are in docs/cpu-kernels.md and docs/benchmarks.md):
 - "avx2": our kernel (ops/gemm_cpu.c) on a weight packed into 16-column panels, with 6 x 16
   AVX2 register tiles, or 8 x 32 AVX-512 ones where the build has AVX-512 (the name is older
-  than those). On a Zen 3 AVX2 host it ran SmolLM2's projections at 0.63-0.73 of oneDNN's time
-  from 1 to 64 rows and 0.94 at 2048; on a Zen 5 AVX-512 host at 0.75-0.91 from 1 to 64 rows
-  and 1.03-1.09 at 2048 (oneDNN at 494 GFLOP/s there). The default wherever it builds (AVX2 +
-  FMA): decode steps gain more than long prefills lose, and the weights are packed once, in
-  one layout.
+  than those). It beats oneDNN on a decode step's few-row projections on both ISAs, and is
+  about even with it on long prefills. The default wherever it builds (AVX2 + FMA): decode
+  steps gain more than long prefills lose, and the weights are packed once, in one layout.
 - "onednn": oneDNN's linear on a weight prepacked into its blocked layout: where our kernel
   cannot be built (no C compiler, no AVX2 + FMA).
 - "mkl": plain `torch.mm` (what transformers runs): where neither of the others is built.
@@ -27,8 +26,8 @@ import torch
 from loraserve.ops.cbuild import load_library_once
 from loraserve.ops.hugepages import empty_huge
 
-# oneDNN packs for a batch-size hint; 64 measured as fast as 2048 from 7 rows up, and as fast
-# as 1 at batch 1.
+# oneDNN packs for a batch-size hint; 64 runs few-row and many-row products as fast as the hints
+# made for them (benchmarks/kernels/gemm_shapes.py).
 PACK_BATCH_HINT = 64
 PANEL = 16  # columns per panel of the avx2 kernel's packed weight
 _BACKENDS = ("auto", "avx2", "onednn", "mkl")

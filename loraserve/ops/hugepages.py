@@ -1,10 +1,10 @@
 """Large CPU tensors on 2 MB pages, where Linux gives them (transparent huge pages).
 
-Why: a decode step streams every adapter's weights (~590 MB for 16 adapters of ranks 8-64 on
-SmolLM2) and the base weights (~425 MB), page after page; on 4 KB pages that is ~250,000 TLB
-misses a step, each a page walk, and the LoRA op's prefetches wait on them. With the adapter
-memory and the packed weights on 2 MB pages, the decode LoRA op added 8.2-9.5 ms a step
-instead of 9.9-10.1 (benchmarks/fused_lora.py, alternating runs; docs/benchmarks.md, session 13).
+Why: a decode step streams every adapter's weights and the base weights, hundreds of MB,
+page after page; on 4 KB pages every page is a TLB miss and a page walk, and the LoRA op's
+prefetches wait on them. With the adapter memory and the packed weights on 2 MB pages the
+decode LoRA op adds less to a step (benchmarks/kernels/fused_lora.py re-measures it, in
+alternating runs; the figures are in docs/benchmarks.md).
 
 Most hosts run THP in `madvise` mode (only regions that ask get huge pages), so the tensor is
 aligned to 2 MB and the range advised (MADV_HUGEPAGE) before its first touch. Elsewhere (no

@@ -4,8 +4,9 @@ Adapter weights are read on worker threads (the disk loader, the server's execut
 on the engine thread once packed or evicted. glibc serves each thread from its own arena and
 returns a freed chunk to the arena it came from; pages freed in the middle of an arena's heap
 stay resident until something trims them, and the small tensors of an adapter never reach
-the mmap threshold. So resident memory climbed with every round of load and churn (3.22 ->
-3.89 GB over six rounds, still rising) while each kind of work alone levelled off.
+the mmap threshold. So resident memory climbed with every round of load and churn while
+each kind of work alone levelled off (benchmarks/soak.py tracks it;
+tests/kernels/test_native_memory.py checks the trim).
 `malloc_trim(0)` walks every arena and releases whole free pages anywhere in it; the engine
 calls `MemoryTrimmer.maybe_trim()` once per step, and it trims at most every `interval_s`.
 Elsewhere than glibc (musl, macOS) this is a no-op.

@@ -190,12 +190,20 @@ class Scheduler:
     def update_from_output(self, batch: ScheduledBatch, output: StepOutput) -> list[Request]:
         """Advance every scheduled request by the tokens it computed, append the sampled
         tokens, and end those that hit EOS, a stop token id, max_tokens or the context.
-        Returns the requests that got a token, in `output` order."""
+        Returns the requests that got a token, in `output` order, after those that only scored
+        their prompt (max_tokens=0) and are now done."""
         for req, n in batch.entries:
             req.num_computed_tokens += n
             self.kv.cache_full_blocks(req)
         by_id = {req.request_id: req for req, _ in batch.entries}
         sampled = []
+        for rid, scores in output.prompt_logprobs.items():
+            for position, value in scores:
+                by_id[rid].prompt_logprobs[position] = value
+        for req, _ in batch.entries:  # max_tokens=0: it only scores its prompt; done now
+            if req.params.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:
+                self.finish(req, FinishReason.LENGTH)
+                sampled.append(req)
         for i, (rid, token) in enumerate(zip(output.request_ids, output.token_ids, strict=True)):
             req = by_id[rid]
             lp = output.logprobs[i] if output.logprobs is not None else None

@@ -1,4 +1,4 @@
-"""Runtime adapter load/unload and the model list.
+"""Runtime adapter load (from a path or an upload), unload, and the model list.
 
 Access (admin key or the loopback-only flag) is checked by AuthMiddleware before the body is
 read. Here: the name must be a valid adapter name (not the base model's), and with
@@ -16,11 +16,14 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from loraserve.adapters.peft.files import max_weights_bytes
+from loraserve.adapters.versions import label
 from loraserve.engine.messages import EngineSnapshot
 from loraserve.server import protocol as P
 from loraserve.server.api_keys import Tenant
 from loraserve.server.context import ServerContext, parse_body
 from loraserve.server.errors import ApiError
+from loraserve.server.upload import receive_adapter
 from loraserve.types import is_valid_adapter_name
 
 log = logging.getLogger("loraserve.server")
@@ -66,13 +69,38 @@ async def load(ctx: ServerContext, request: Request) -> JSONResponse:
     body = await parse_body(request, P.LoadLoraRequest)
     check_name(ctx, body.lora_name)
     path = resolve_path(body.lora_path, ctx.settings.lora_root)
+    return await _load(ctx, body.lora_name, path, body.pinned, body.replace,
+                       root=ctx.settings.lora_root, version=body.version)
+
+
+async def upload(ctx: ServerContext, request: Request) -> JSONResponse:
+    """A PEFT adapter streamed in as a multipart form (server/upload.py), loaded like one
+    from disk; the store keeps the uploaded directory as the version's copy."""
+    info = ctx.aengine.info
+    form = await receive_adapter(request, max_weights_bytes(info.model_config,
+                                                            info.max_lora_rank))
+    try:
+        name = form.fields["lora_name"].strip()
+        check_name(ctx, name)
+        pinned, replace = form.flag("pinned"), form.flag("replace")
+    except BaseException:
+        form.discard()
+        raise
+    return await _load(ctx, name, str(form.directory), pinned, replace, owned=True)
+
+
+async def _load(ctx: ServerContext, name: str, path: str, pinned: bool, replace: bool, *,
+                root: str | None = None, owned: bool = False,
+                version: int | None = None) -> JSONResponse:
     t0 = time.perf_counter()
-    await ctx.aengine.load_lora_adapter(body.lora_name, path, pinned=body.pinned,
-                                        root=ctx.settings.lora_root)
-    ctx.metrics.observe_load(body.lora_name, time.perf_counter() - t0)
-    log.info("adapter %s registered via the API from %s (pinned=%s)", body.lora_name, path,
-             body.pinned)
-    return await _listing(ctx, f"adapter {body.lora_name!r} loaded")
+    version = await ctx.aengine.load_lora_adapter(name, path, pinned=pinned, root=root,
+                                                  replace=replace, owned=owned,
+                                                  version=version)
+    ctx.metrics.observe_load(name, time.perf_counter() - t0)
+    log.info("adapter %s registered via the API from %s (pinned=%s)", label(name, version),
+             "an upload" if owned else path, pinned)
+    return await _listing(ctx, f"adapter {name!r} loaded as version {version}",
+                          version=version)
 
 
 async def unload(ctx: ServerContext, request: Request) -> JSONResponse:
@@ -81,10 +109,10 @@ async def unload(ctx: ServerContext, request: Request) -> JSONResponse:
     return await _listing(ctx, f"adapter {body.lora_name!r} unloaded")
 
 
-async def _listing(ctx: ServerContext, message: str) -> JSONResponse:
+async def _listing(ctx: ServerContext, message: str, **extra) -> JSONResponse:
     snap = await ctx.aengine.snapshot()
     cards = [c for c in model_cards(ctx, snap, operator=True) if c["parent"] is not None]
-    return JSONResponse({"success": True, "message": message,
+    return JSONResponse({"success": True, "message": message, **extra,
                          "loaded_adapters": {c["id"]: c["root"] for c in cards},
                          "object": "list", "data": cards})
 
@@ -99,9 +127,18 @@ def model_cards(ctx: ServerContext, snap: EngineSnapshot, operator: bool,
     cards = []
     if tenant is None or tenant.may_use(None):
         cards.append(P.model_card(base, root=root, parent=None, tier="device", pinned=True))
+    live: dict[str, list] = {}
     for a in snap.adapters:
         if a.registered and (tenant is None or tenant.may_use(a.name)):
-            cards.append(P.model_card(a.name, root=a.path if operator else a.name, parent=base,
-                                      tier=a.tier,
-                                      pinned=a.pinned, rank=a.rank, in_flight=a.refcount))
+            live.setdefault(a.name, []).append(a)
+    for name, versions in live.items():
+        versions.sort(key=lambda a: a.version)
+        numbers = [a.version for a in versions]
+        # `name` is the newest version; older live versions are listed as name@N
+        for a in versions:
+            model_id = name if a is versions[-1] else label(name, a.version)
+            cards.append(P.model_card(
+                model_id, root=a.path if operator else model_id, parent=base, tier=a.tier,
+                pinned=a.pinned, rank=a.rank, in_flight=a.refcount, version=a.version,
+                **({"versions": numbers} if a is versions[-1] else {})))
     return cards

@@ -23,6 +23,7 @@ from loraserve.server.openapi import openapi_schema
 from loraserve.server.quotas import QuotaMiddleware, TenantCollector
 from loraserve.server.settings import ServerSettings
 from loraserve.server.tenant_routes import reload_api_keys
+from loraserve.server.upload import UPLOAD_PATHS
 
 
 def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None,
@@ -46,7 +47,8 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
     app.state.ctx = ctx
     install_error_handlers(app)
     # add_middleware prepends: the last added is the outermost.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes,
+                       streamed_paths=UPLOAD_PATHS)
     if enforce_quotas:
         app.add_middleware(QuotaMiddleware, gate=ctx.quotas)
     app.add_middleware(AuthMiddleware, settings=settings, keys=ctx.keys)
@@ -82,6 +84,8 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
         app.add_api_route(f"{prefix}/load_lora_adapter", _bind(adapter_routes.load, ctx),
                           methods=["POST"])
         app.add_api_route(f"{prefix}/unload_lora_adapter", _bind(adapter_routes.unload, ctx),
+                          methods=["POST"])
+        app.add_api_route(f"{prefix}/upload_lora_adapter", _bind(adapter_routes.upload, ctx),
                           methods=["POST"])
 
     @app.get("/metrics")

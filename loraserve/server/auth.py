@@ -27,8 +27,8 @@ from loraserve.server.settings import ServerSettings, is_loopback
 OPEN_PATHS = frozenset({"/health"})
 OPERATOR_PATHS = frozenset({"/debug/state", "/debug/invariants", "/v1/reload_api_keys"})
 TENANT_OPERATOR_PATHS = frozenset({"/metrics"})  # operator-only once tenants exist
-ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter",
-                         "/load_lora_adapter", "/unload_lora_adapter"})
+ADMIN_PATHS = frozenset({f"{prefix}/{verb}_lora_adapter" for prefix in ("/v1", "")
+                         for verb in ("load", "unload", "upload")})
 
 
 def bearer_token(scope: Scope) -> str | None:

@@ -11,9 +11,10 @@ from typing import TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from loraserve.adapters.versions import split_model
 from loraserve.engine.async_engine import AsyncEngine
 from loraserve.server.api_keys import KeyRing, Tenant
-from loraserve.server.errors import ApiError, validation_message
+from loraserve.server.errors import ApiError, validation_error
 from loraserve.server.metrics import ServerMetrics
 from loraserve.server.quotas import QuotaGate
 from loraserve.server.settings import ServerSettings
@@ -68,7 +69,8 @@ class ServerContext:
         """`model` -> adapter name, or None for the base model. Unknown names, and names
         outside the tenant's scope (it cannot tell them from unknown ones): 404."""
         name = self._resolve(model)
-        if tenant is not None and not tenant.may_use(name):
+        if tenant is not None and not tenant.may_use(
+                None if name is None else split_model(name)[0]):  # name@N: name's scope
             raise self.model_not_found(model or self.model_name)
         return name
 
@@ -81,7 +83,7 @@ class ServerContext:
             if base not in self.base_names:
                 raise self.model_not_found(model)
             name = adapter
-        if not is_valid_adapter_name(name):
+        if not is_valid_adapter_name(split_model(name)[0]):  # name or name@N
             raise self.model_not_found(model)
         return name
 
@@ -139,4 +141,4 @@ async def parse_body(request: Request, model: type[M]) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise ApiError(400, validation_message(e), "invalid_request") from e
+        raise validation_error(e) from e

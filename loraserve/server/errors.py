@@ -1,4 +1,5 @@
-"""OpenAI-shaped errors: `{"error": {"message", "type", "code"}}` with the right status.
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right
+status; `param` names the request field at fault, when one is.
 
 Anything the client did wrong is a 4xx with a message that says what to fix; a 5xx is a bug
 (its traceback goes to the log, not to the client). Every 503 (a passing condition: shutting
@@ -37,19 +38,21 @@ def retry_headers(status: int, retry_after_s: int | None = None) -> dict[str, st
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, code: str | None = None,
-                 retry_after_s: int | None = None):
+                 retry_after_s: int | None = None, param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.code = status, message, code
-        self.retry_after_s = retry_after_s
+        self.retry_after_s, self.param = retry_after_s, param
 
 
-def error_body(status: int, message: str, code: str | None = None) -> dict:
+def error_body(status: int, message: str, code: str | None = None,
+               param: str | None = None) -> dict:
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, code), status_code=status,
+def error_response(status: int, message: str, code: str | None = None,
+                   param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code, param), status_code=status,
                         headers=retry_headers(status))
 
 
@@ -57,18 +60,36 @@ def error_bytes(status: int, message: str, code: str | None = None) -> bytes:
     return json.dumps(error_body(status, message, code)).encode()
 
 
-def validation_message(err: ValidationError | RequestValidationError) -> str:
-    parts = []
+def validation_error(err: ValidationError | RequestValidationError) -> ApiError:
+    """A 400 that says what to fix in the client's words: each error's field path and message
+    (without pydantic's "Value error, " prefixes), `param` the first error's field."""
+    parts, params = [], []
     for e in err.errors():
-        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-        parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
-    return "invalid request: " + "; ".join(parts[:5])
+        loc = [x for x in e.get("loc", ()) if x != "body"]
+        ctx = e.get("ctx") or {}
+        path = ".".join(map(str, loc))
+        param = ctx.get("param")
+        if param and loc and param != loc[-1]:  # a field of a nested object
+            param = f"{path}.{param}"
+        elif not param and loc:  # pydantic's own: the top-level field (no union-member tags)
+            param = str(loc[0])
+        params.append(param)
+        # a plain ValueError/AssertionError from a validator: its own text, no prefix
+        msg = str(ctx["error"]) if e.get("type") in _WRAPPED and "error" in ctx else e["msg"]
+        if loc and not msg.startswith(f"{loc[0]}:"):
+            msg = f"{path}: {msg}"
+        parts.append(msg)
+    return ApiError(400, "invalid request: " + "; ".join(parts[:5]), "invalid_request",
+                    param=next((p for p in params if p), None))
+
+
+_WRAPPED = ("value_error", "assertion_error")
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api(_: Request, e: ApiError):
-        response = error_response(e.status, e.message, e.code)
+        response = error_response(e.status, e.message, e.code, e.param)
         response.headers.update(retry_headers(e.status, e.retry_after_s))
         return response
 
@@ -80,7 +101,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError):
-        return error_response(400, validation_message(e), "invalid_request")
+        err = validation_error(e)
+        return error_response(err.status, err.message, err.code, err.param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException):

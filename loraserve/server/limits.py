@@ -2,7 +2,8 @@
 
 A declared Content-Length over the limit is refused at once; a chunked body is read up to the
 limit and refused when it goes over. The body read here is replayed to the app, and later
-`receive()` calls (disconnect detection) pass through to the server.
+`receive()` calls (disconnect detection) pass through to the server. Routes that stream
+their body with bounds of their own (`streamed_paths`: adapter uploads) pass straight through.
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ from loraserve.server.errors import error_bytes
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int):
+    def __init__(self, app: ASGIApp, max_bytes: int,
+                 streamed_paths: frozenset[str] = frozenset()):
         self.app = app
         self.max_bytes = max_bytes
+        self.streamed_paths = streamed_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+        if (scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS")
+                or scope["path"] in self.streamed_paths):
             return await self.app(scope, receive, send)
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:

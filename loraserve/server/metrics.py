@@ -3,7 +3,9 @@
 Engine-wide and per-adapter gauges/counters are rebuilt from an engine snapshot at each scrape
 (a custom collector), so the adapter label only ever takes registered names and an unloaded
 adapter's series disappear. Latency histograms are observed by the request handlers.
-Idle-but-resident adapters keep their series (routers rely on them).
+Idle-but-resident adapters keep their series (routers rely on them). An adapter's newest
+version is labelled with its name and older live versions as `name@N`, the ids /v1/models
+lists; `loraserve_adapter_version` gives the number each name means now.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from loraserve.adapters.versions import label
 from loraserve.engine.messages import EngineSnapshot
 from loraserve.types import RequestOutput
 
@@ -162,8 +165,17 @@ class _SnapshotCollector:
         }
         prefix["prefix_queries"].add_metric([snap.model_name], snap.base_prefix_queries)
         prefix["prefix_hits"].add_metric([snap.model_name], snap.base_prefix_hits)
+        version = GaugeMetricFamily("loraserve_adapter_version",
+                                    "The version (name@N) the adapter's name means now",
+                                    labels=["adapter"])
+        newest = {}
         for a in live:
-            name = [a.name]
+            newest[a.name] = max(a.version, newest.get(a.name, 0))
+        for name, number in newest.items():
+            version.add_metric([name], number)
+        yield version
+        for a in live:
+            name = [a.name if a.version == newest[a.name] else label(a.name, a.version)]
             per["tier"].add_metric(name, TIERS[a.tier])
             per["pinned"].add_metric(name, int(a.pinned))
             per["in_flight"].add_metric(name, a.refcount)

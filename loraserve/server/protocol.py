@@ -1,54 +1,50 @@
 """OpenAI-compatible request and response schemas (plus vLLM/SGLang extras).
 
-Unknown fields are ignored, as the OpenAI clients send some we do not use. Fields that would
-change the answer and that we do not implement (tools, response_format, echo, ...) are refused
-by name when set, never silently ignored.
+Every top-level request field is either one of a model's own, a no-op, or refused by name
+(server/request_fields.py): an unknown or unimplemented field is never silently ignored.
+Validation errors name their field (`param` in the OpenAI error object).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from loraserve.server.request_fields import invalid, refuse_unhandled
 
 # str | list[str] | list[int] | list[list[int]]
 PromptField = str | list[str] | list[int] | list[list[int]]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # forbid: the OpenAPI schema says so; refuse_unhandled has already named any extra field
+    model_config = ConfigDict(extra="forbid")
+    # completion requests: the OpenAI/vLLM lists of unsupported and no-op fields apply
+    _sampling: ClassVar[bool] = False
 
     @model_validator(mode="before")
     @classmethod
-    def _null_means_default(cls, data):
+    def _screen_fields(cls, data):
+        if not isinstance(data, dict):
+            return data
         # Clients send `"temperature": null` etc. for "unset": use the default instead.
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
+        data = {k: v for k, v in data.items() if v is not None}
+        if cls.model_config.get("extra") == "allow":
+            return data
+        return refuse_unhandled(data, frozenset(cls.model_fields), cls._sampling)
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
-
-
-# Request fields of the OpenAI / vLLM / SGLang schemas that would change the answer and that
-# loraserve does not implement: refused by name unless set to their no-op value, never ignored.
-UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "response_format": ({"type": "text"},), "length_penalty": (1, 1.0),
-    "echo": (False,), "suffix": ("",),
-    "use_beam_search": (False,), "guided_json": (), "guided_regex": (), "guided_choice": (),
-    "guided_grammar": (), "json_schema": (), "regex": (), "ebnf": (), "bad_words": ([],),
-    "allowed_token_ids": (), "prompt_logprobs": (), "truncate_prompt_tokens": (),
-    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
-    "include_stop_str_in_output": (False,), "prediction": (), "audio": (),
-    "modalities": (["text"],), "reasoning_effort": (), "web_search_options": (),
-}
+    # OpenAI pads stream chunks with random text when on; the answer is the same without it
+    include_obfuscation: bool = False
 
 
 class _SamplingFields(_Request):
+    _sampling: ClassVar[bool] = True
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -68,33 +64,29 @@ class _SamplingFields(_Request):
     top_k: int = -1
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # per prompt token: its logprob and the top k (vLLM); the prompt is computed, not reused
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (vLLM)
 
-    @model_validator(mode="before")
+    @field_validator("stop")
     @classmethod
-    def _unimplemented_fields(cls, data):
-        if isinstance(data, dict):
-            bad = [k for k, noop in UNSUPPORTED_FIELDS.items()
-                   if data.get(k) is not None and data[k] not in noop]
-            if bad:
-                raise ValueError(f"{', '.join(bad)}: not supported by this server (refused "
-                                 "rather than ignored)")
-        return data
-
-    @model_validator(mode="after")
-    def _unsupported(self):
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+    def _stops(cls, stop):
+        stops = [stop] if isinstance(stop, str) else stop or []
         if len(stops) > 16 or any(not s for s in stops):
-            raise ValueError("stop: at most 16 non-empty strings")
-        return self
+            raise invalid("stop", "stop: at most 16 non-empty strings")
+        return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_keys(cls, bias):
+        for key in bias or {}:
+            if not key.strip().isdigit():
+                raise invalid("logit_bias", f"logit_bias: keys are token ids, got {key[:40]!r}")
+        return bias
 
     @property
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
-        pairs = []
-        for key, bias in (self.logit_bias or {}).items():
-            if not key.strip().isdigit():
-                raise ValueError(f"logit_bias: keys are token ids, got {key[:40]!r}")
-            pairs.append((int(key), bias))
-        return tuple(pairs)
+        return tuple((int(key), bias) for key, bias in (self.logit_bias or {}).items())
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -107,14 +99,17 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptField
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: score the prompt only (prompt_logprobs)
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = None
 
     @model_validator(mode="after")
     def _checks(self):
         if self.best_of not in (None, 1, self.n):
-            raise ValueError("best_of is not supported")
+            raise invalid("best_of", "best_of: only 1 or n is supported")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise invalid("max_tokens", "max_tokens=0 only scores the prompt: set "
+                                        "prompt_logprobs, or ask for at least one token")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -142,6 +137,13 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs", "top_logprobs: logprobs must be true when "
+                                          "top_logprobs is set")
+        return self
+
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -158,6 +160,10 @@ class LoadLoraRequest(_Request):
     lora_name: str
     lora_path: str
     pinned: bool = False
+    replace: bool = False  # a loaded name gets a new version (name@N); running requests stay
+    # the number to give the new version (a deployment of replicas numbers them alike); it
+    # must be newer than every earlier version of the name; default: the next one
+    version: int | None = Field(None, ge=1)
 
 
 class UnloadLoraRequest(_Request):

@@ -14,6 +14,7 @@ from dataclasses import replace
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from loraserve.adapters.versions import label, split_model
 from loraserve.engine.async_engine import RequestStream
 from loraserve.server import protocol as P
 from loraserve.server.context import ServerContext, parse_body
@@ -34,7 +35,8 @@ async def completions(ctx: ServerContext, request: Request) -> Response:
                             f"{ctx.settings.max_prompts}", "too_many_prompts")
     _check_n(ctx, req.n)
     ids = [await _tokenize(ctx, p) for p in prompts]
-    params = _params(ctx, req, req.max_tokens or 16, max(map(len, ids)), req.logprobs)
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    params = _params(ctx, req, max_tokens, max(map(len, ids)), req.logprobs)
     return await _serve(ctx, request, req, ids, params, lora, chat=False)
 
 
@@ -98,7 +100,8 @@ def _params(ctx: ServerContext, req, max_tokens: int, prompt_len: int,
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
             top_k=req.top_k, seed=req.seed, stop=req.stops,
             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-            logprobs=logprobs, repetition_penalty=req.repetition_penalty,
+            logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
+            repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             min_tokens=req.min_tokens, min_p=req.min_p, logit_bias=req.logit_bias_pairs)
     except ValueError as e:
@@ -116,7 +119,9 @@ def _nth_seed(seed: int, j: int) -> int:
 
 async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: SamplingParams,
                   lora: str | None, client_id: str | None) -> list[RequestStream]:
-    """Admit prompts x n sequences, all or none. Choice index = prompt * n + j."""
+    """Admit prompts x n sequences, all or none. Choice index = prompt * n + j. Every
+    sequence runs on one adapter version: the first one admitted fixes it (name@N) for the
+    rest, whatever replaces happen meanwhile."""
     base_id = P.new_id("cmpl")
     jobs = []
     for i, prompt in enumerate(ids):
@@ -124,11 +129,18 @@ async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: Samplin
             # Distinct seeds per choice: n identical samples would be useless.
             sp = params if params.seed is None else replace(params, seed=_nth_seed(params.seed, j))
             # choice 0 computes the prompt; the others fork from its K/V (copy-on-write)
-            jobs.append(ctx.aengine.add_request(prompt, sp, lora, f"{base_id}-{i}-{j}",
-                                                origin=base_id,
-                                                fork_of=f"{base_id}-{i}-0" if j else None,
-                                                client_id=client_id))
-    results = await asyncio.gather(*jobs, return_exceptions=True)
+            jobs.append((prompt, sp, f"{base_id}-{i}-{j}",
+                         f"{base_id}-{i}-0" if j else None))
+
+    def add(job, model):
+        prompt, sp, rid, fork_of = job
+        return ctx.aengine.add_request(prompt, sp, model, rid, origin=base_id, fork_of=fork_of,
+                                       client_id=client_id)
+
+    results = await asyncio.gather(add(jobs[0], lora), return_exceptions=True)
+    if lora is not None and isinstance(results[0], RequestStream):
+        lora = label(split_model(lora)[0], results[0].adapter_version)
+    results += await asyncio.gather(*(add(j, lora) for j in jobs[1:]), return_exceptions=True)
     streams = [r for r in results if isinstance(r, RequestStream)]
     errors = [r for r in results if not isinstance(r, RequestStream)]
     if errors:
@@ -145,9 +157,12 @@ async def _serve(ctx: ServerContext, request: Request, req, ids, params, lora, c
     streams = await _submit(ctx, req, ids, params, lora, tenant.name if tenant else None)
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     model = req.model or ctx.model_name
+    if lora is not None:  # the version the answer comes from
+        lora = split_model(lora)[0]
+        model = label(lora, streams[0].adapter_version)
     prompt_tokens = sum(map(len, ids))
     timers = [RequestTimer(ctx.metrics, lora) for _ in streams]
-    lp = LogprobFormatter(ctx.tokenizer)
+    lp = LogprobFormatter(ctx.tokenizer, req.return_tokens_as_token_ids)
     if req.stream:
         gen = _stream(streams, timers, lp, rid, model, chat, req.include_usage, prompt_tokens,
                       req.n, request.scope)

@@ -6,12 +6,16 @@ finish; what still runs then ends with an OpenAI-shaped 503 error (streams get a
 and `[DONE]`). Once no request is left (or the drain and a grace period are over) uvicorn
 stops listening, closes the connections, and the process exits 0. uvicorn's own grace period
 is longer, so it never has to cancel a handler mid-response. A second SIGINT forces the exit.
+
+`on_ready` runs once the sockets listen (after the app's start-up), so what it prints, such as
+the demo's example commands, works when it appears.
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -24,11 +28,13 @@ _WRITE_GRACE_S = 5
 
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, ctx: ServerContext, shutdown_timeout_s: float):
+    def __init__(self, config: uvicorn.Config, ctx: ServerContext, shutdown_timeout_s: float,
+                 on_ready: Callable[[], None] | None = None):
         config.timeout_graceful_shutdown = int(shutdown_timeout_s) + _WRITE_GRACE_S
         super().__init__(config)
         self.ctx = ctx
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.on_ready = on_ready
         self.loop: asyncio.AbstractEventLoop | None = None
         self._drain_started = False
         self._drain_task: asyncio.Task | None = None
@@ -38,6 +44,11 @@ class GracefulServer(uvicorn.Server):
         if self.ctx.keys.active:  # SIGHUP reloads the tenant keys (tenant_routes.py)
             self.loop.add_signal_handler(signal.SIGHUP, reload_on_signal, self.ctx)
         await super().serve(sockets)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and not self.should_exit and self.on_ready is not None:
+            self.on_ready()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.loop is not None and not self._drain_started:

@@ -1,4 +1,4 @@
-"""`loraserve serve --replicas 2` in miniature (issue 17): two engine replicas of a tiny model
+"""`loraserve serve --replicas 2` in miniature: two engine replicas of a tiny model
 behind the Ray Serve ingress, on one small local Ray instance shared by every test here.
 
 The real openai client; the base model and two adapters, streaming and not; outputs equal to
@@ -56,13 +56,10 @@ def cluster(files):
 @pytest.fixture(scope="module")
 def single(files):
     """A single server with the same adapters and flags: the reference for every answer."""
-    s = ServerProcess(files["model"], "--lora-paths", f"sql={files['sql']}",
-                      f"chat={files['chat']}", "--allow-runtime-lora-updates",
-                      "--max-loaded-loras", "4", log_dir=files["root"])
-    try:
-        yield s.wait_ready()
-    finally:
-        s.stop()
+    with ServerProcess(files["model"], "--lora-paths", f"sql={files['sql']}",
+                       f"chat={files['chat']}", "--allow-runtime-lora-updates",
+                       "--max-loaded-loras", "4", log_dir=files["root"]) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +164,35 @@ def test_load_and_unload_reach_every_replica(cluster, llm, files):
     gone = httpx.post(cluster.url + "/v1/completions", json={"model": "extra", "prompt": "x"},
                       timeout=30)
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_replace_is_one_version_number_on_every_replica(cluster, llm, files):
+    load = {"lora_name": "policy", "lora_path": str(files["extra"])}
+    r = httpx.post(cluster.url + "/v1/load_lora_adapter", json=load, timeout=60)
+    assert r.status_code == 200 and r.json()["version"] == 1, r.text
+    r = httpx.post(cluster.url + "/v1/load_lora_adapter", timeout=60,
+                   json={**load, "lora_path": str(files["other"]), "replace": True})
+    assert r.status_code == 200 and r.json()["version"] == 2, r.text
+    models = httpx.get(cluster.url + "/v1/models", timeout=30).json()
+    assert len(replicas_of(models, "policy")) == 2 and len(replicas_of(models, "policy@1")) == 2
+    assert next(c for c in models["data"] if c["id"] == "policy")["version"] == 2
+    llm.load_lora_adapter("other", str(files["other"]))
+    client = cluster.openai()
+    for _ in range(3):  # wherever it is routed: the same weights under the same number
+        new = client.completions.create(model="policy", prompt=PROMPTS[1], max_tokens=12,
+                                        temperature=0)
+        old = client.completions.create(model="policy@1", prompt=PROMPTS[1], max_tokens=12,
+                                        temperature=0)
+        assert (new.model, new.choices[0].text) == ("policy@2", offline(llm, PROMPTS[1],
+                                                                         "other"))
+        assert (old.model, old.choices[0].text) == ("policy@1", offline(llm, PROMPTS[1],
+                                                                         "extra"))
+    refused = httpx.post(cluster.url + "/v1/unload_lora_adapter",
+                         json={"lora_name": "policy@2"}, timeout=60)
+    assert refused.status_code == 400  # the replayed version: unload the name instead
+    r = httpx.post(cluster.url + "/v1/unload_lora_adapter", json={"lora_name": "policy"},
+                   timeout=60)
+    assert r.status_code == 200 and "policy" not in r.json()["loaded_adapters"]
 
 
 def test_load_refused_by_one_replica_is_rolled_back(cluster, files, single):

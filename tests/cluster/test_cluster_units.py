@@ -1,4 +1,4 @@
-"""The cluster's pieces that need no running Ray (issue 17): merging the replicas' model lists
+"""The cluster's pieces that need no running Ray: merging the replicas' model lists
 and metrics, the routers' ranking, the in-process ASGI bridge, the `serve run` args, and that
 the single-server path never imports ray."""
 
@@ -121,6 +121,9 @@ def test_registry_versions_and_entries():
     assert reg.remove("a").version == 2 and set(reg.state().entries) == {"b"}
     other = AdapterRegistry()  # a restarted registry: another epoch, never "newer"
     assert not other.state().at.covers(at)
+    # version numbers per name: seeded ones are 1, each reservation is new, even if refused
+    assert [reg.reserve_version("a"), reg.reserve_version("a"), reg.reserve_version("c")] == \
+        [2, 3, 1]
 
 
 def test_asgi_bridge_streams_and_a_hang_up_cancels_the_handler():
@@ -201,11 +204,20 @@ def test_replica_catches_up_with_the_registry_and_survives_its_restart():
     calls, states = [], []
 
     class Engine:  # records what the replica asks of its engine
-        async def load_lora_adapter(self, name, path, pinned=False, root=None):
-            calls.append(("load", name, path, pinned))
+        live: dict[str, int] = {}
+
+        async def snapshot(self):
+            return SimpleNamespace(adapters=[SimpleNamespace(name=n, version=v, registered=True)
+                                             for n, v in self.live.items()])
+
+        async def load_lora_adapter(self, name, path, pinned=False, root=None, replace=False,
+                                    version=None):
+            calls.append(("load", name, path, pinned, version))
+            self.live[name] = version or self.live[name]
 
         async def unload_lora_adapter(self, name):
             calls.append(("unload", name))
+            self.live.pop(name)
 
         def shutdown(self):
             pass
@@ -230,11 +242,14 @@ def test_replica_catches_up_with_the_registry_and_survives_its_restart():
         await rep.sync(at("A", 0))  # up to date: no pull
         states.append(RegistryState(at("A", 2), {"a": RegistryEntry("/a", pinned=True)}))
         await rep.sync(at("A", 2))  # behind: b unloaded, a pinned
+        states.append(RegistryState(at("A", 3), {"a": RegistryEntry("/a2", True, 2)}))
+        await rep.sync(at("A", 3))  # a replaced: version 2 under the same number
         states.append(RegistryState(at("B", 0), {}))  # the registry restarted, empty
-        await rep.sync(at("A", 3))  # the ingress's old epoch: pull once, unload nothing
-        await rep.sync(at("A", 3))
+        await rep.sync(at("A", 4))  # the ingress's old epoch: pull once, unload nothing
+        await rep.sync(at("A", 4))
 
     asyncio.run(run())
-    assert calls == [("pull",), ("load", "a", "/a", False), ("load", "b", "/b", False),
-                     ("pull",), ("unload", "b"), ("load", "a", "/a", True), ("pull",)]
+    assert calls == [("pull",), ("load", "a", "/a", False, 1), ("load", "b", "/b", False, 1),
+                     ("pull",), ("unload", "b"), ("load", "a", "/a", True, None),
+                     ("pull",), ("load", "a", "/a2", True, 2), ("pull",)]
     assert rep.names == {"a"}

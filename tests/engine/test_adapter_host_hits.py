@@ -1,4 +1,4 @@
-"""The host-cache hit counter (issue 17's benchmark reads it): a request counts a hit when its
+"""The host-cache hit counter (benchmarks/scale_out.py reads it): a request counts a hit when its
 adapter is in host memory as it arrives, and a miss when it must be read back from disk."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Adapter lifecycle rules (DESIGN.md §3) for the host tier, unload and refcounts: one test
+"""Adapter lifecycle rules (docs/design.md §3) for the host tier, unload and refcounts: one test
 per rule, on the tiny random Llama (slots and admission: test_adapter_slots.py).
 
 Outputs are checked against transformers + PEFT (float32, one prompt alone) wherever a rule

@@ -1,4 +1,4 @@
-"""Adapter lifecycle rules (DESIGN.md §3) for compute slots and admission, on the tiny
+"""Adapter lifecycle rules (docs/design.md §3) for compute slots and admission, on the tiny
 random Llama: a reassigned slot is fully overwritten, slots change hands during decode without
 any request seeing another tenant's weights, the distinct-adapters cap (base counts as one) is
 enforced at admission, and a waiting adapter is admitted within a bounded number of steps.

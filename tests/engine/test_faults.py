@@ -1,4 +1,4 @@
-"""Faults (issue 16), offline and at start: adapter files deleted or corrupted between
+"""Faults, offline and at start: adapter files deleted or corrupted between
 registration and an implicit reload fail only that adapter's requests, with a clear 4xx, and
 the name can be registered again; a reload of a name with new weights while the old version's
 requests run lets them finish on the weights they started with; an unusable or full cache

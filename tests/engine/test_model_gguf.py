@@ -121,3 +121,27 @@ def test_a_full_cache_directory_is_one_line(files, tmp_path, monkeypatch, capsys
     assert err.startswith("loraserve generate: the cache directory") and "No space left" in err
     assert "Traceback" not in capsys.readouterr().err
     assert not [p for p in (cache / "models").iterdir() if not p.name.endswith(".lock")]
+
+
+def test_parsing_the_header_once_converts_byte_for_byte_the_same(files, tmp_path, monkeypatch):
+    """The conversion memoizes gguf's reader and tensor-name table (model/gguf_parse_once.py);
+    without that, transformers' own repeated parses give the very same files."""
+    import contextlib
+
+    import gguf
+
+    from loraserve.model import gguf_parse_once
+
+    _, _, ggufs = files
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    bundled._convert(ggufs["Q4_0"], tmp_path / "once")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)  # restored
+    with gguf_parse_once.parse_once():
+        assert gguf.GGUFReader(ggufs["F32"]) is gguf.GGUFReader(ggufs["F32"])
+    monkeypatch.setattr(gguf_parse_once, "parse_once", contextlib.nullcontext)
+    bundled._convert(ggufs["Q4_0"], tmp_path / "plain")
+    names = sorted(p.name for p in (tmp_path / "once").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "plain").iterdir())
+    assert "model.safetensors" in names and "tokenizer.json" in names
+    for name in names:
+        assert (tmp_path / "once" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()

@@ -1,4 +1,4 @@
-"""Prefetch from the waiting queue (issue 5): loads overlap decoding and never stall it;
+"""Prefetch from the waiting queue: loads overlap decoding and never stall it;
 a failing background load errors the waiting request cleanly."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Adapter-aware prefix cache and copy-on-write forks (issue 12).
+"""Adapter-aware prefix cache and copy-on-write forks.
 
 K/V computed under one adapter's weights is wrong for any other weights: the cache's namespace
 is the weights' content fingerprint, never the name. Outputs with the cache on must equal

@@ -1,4 +1,4 @@
-"""One adapter memory on CPU (issue 13, `lora_memory="unified"`, the CPU default): an adapter is
+"""One adapter memory on CPU (`lora_memory="unified"`, the CPU default): an adapter is
 packed into the kernel's layout once, when its weights reach host memory, and the unpacked copy
 is dropped; every host-resident adapter can join any batch (max_loras_per_batch does not bind);
 max_loaded_loras bounds the memory (LRU, pins and adapters in use protected); the waiting queue
@@ -23,7 +23,7 @@ def ads(tiny_model_dir, tmp_path_factory):
 
 def unified(model_dir, **kw) -> LLM:
     llm = LLM(str(model_dir), **kw)
-    assert llm.engine.store.unified and llm.engine.store.batch_cap is None
+    assert llm.engine.store.residency.name == "unified" and llm.engine.store.batch_cap is None
     return llm
 
 

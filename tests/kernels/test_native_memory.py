@@ -1,4 +1,4 @@
-"""Native memory freed across threads goes back to the OS (issue 16, the soak's RSS climb):
+"""Native memory freed across threads goes back to the OS (else RSS climbs under churn):
 adapter-sized tensors allocated on a worker thread and freed on another stay resident until
 `release_free_memory` trims the arenas; the engine trims between steps, at most every
 interval."""

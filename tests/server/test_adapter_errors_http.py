@@ -1,4 +1,4 @@
-"""Adapter failures over HTTP (issue 11): a registered adapter whose files broke before its
+"""Adapter failures over HTTP: a registered adapter whose files broke before its
 implicit reload gives the client a 4xx naming the adapter (not the server's directories), in
 both the plain and the streaming path, and nobody else notices; adapter names that only look
 valid, or that equal the base model's, are refused."""
@@ -65,9 +65,10 @@ def test_lookalike_and_base_model_names_are_refused(setup):
 
 
 def test_load_while_host_memory_is_busy_registers_on_disk(setup, tiny_model_dir):
-    # Was a 503 (retry): under steady traffic an unload + reload then lost the name for good
-    # (issue 16's soak). Now the validated adapter is registered on disk and read when used;
-    # a load that must pin (be resident) is still a 503 with Retry-After (tests/test_faults.py).
+    # Not a 503 (retry): under steady traffic an unload + reload would then lose the name for
+    # good (benchmarks/soak.py). The validated adapter is registered on disk and read when used;
+    # a load that must pin (be resident) is still a 503 with Retry-After
+    # (tests/engine/test_faults.py).
     import threading
 
     server, root, good, _ = setup

@@ -1,4 +1,4 @@
-"""Faults over HTTP on a live server (issue 16), with a KV cache small enough that traffic
+"""Faults over HTTP on a live server, with a KV cache small enough that traffic
 preempts: clients that disconnect mid-stream en masse (real sockets closed), the KV pool
 exhausted under load, a load and an unload of one name racing, an unload during heavy
 traffic to that adapter, and a reload with new weights while old requests still run. After
@@ -35,14 +35,11 @@ def files(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, files):
-    s = ServerProcess(tiny_model_dir, "--allow-runtime-lora-updates", "--kv-cache-tokens", "160",
-                      "--block-size", "4", "--max-loras-per-batch", "2", "--max-loaded-loras",
-                      "3", "--lora-paths", *(f"{n}={files[n]}" for n in NAMES),
-                      log_dir=files["root"])
-    try:
-        yield s.wait_ready()
-    finally:
-        s.stop()
+    with ServerProcess(tiny_model_dir, "--allow-runtime-lora-updates", "--kv-cache-tokens", "160",
+                       "--block-size", "4", "--max-loras-per-batch", "2", "--max-loaded-loras",
+                       "3", "--lora-paths", *(f"{n}={files[n]}" for n in NAMES),
+                       log_dir=files["root"]) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

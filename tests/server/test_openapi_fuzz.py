@@ -1,4 +1,4 @@
-"""Schemathesis over the server's own OpenAPI schema (issue 16): for every operation, cases
+"""Schemathesis over the server's own OpenAPI schema: for every operation, cases
 that fit the schema and cases that break it, sent to a live server (tiny model, runtime
 adapter updates confined to a root, small limits so a fuzzed max_tokens or n stays cheap).
 No answer may be a 5xx; every 4xx is OpenAI-shaped JSON; afterwards the invariant check
@@ -21,15 +21,12 @@ SKIP = {"/metrics"}  # Prometheus text, nothing to fuzz
 def server(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
     make_peft_adapter(tiny_model_dir, root / "loras" / "a", r=4, seed=3)
-    s = ServerProcess(tiny_model_dir, "--allow-runtime-lora-updates", "--lora-root",
-                      str(root / "loras"), "--lora-paths", f"a={root / 'loras' / 'a'}",
-                      "--max-tokens-limit", "8", "--max-n", "2",
-                      "--max-prompt-tokens", "64", "--kv-cache-tokens", "1024",
-                      log_dir=root)
-    try:
-        yield s.wait_ready()
-    finally:
-        s.stop()
+    with ServerProcess(tiny_model_dir, "--allow-runtime-lora-updates", "--lora-root",
+                       str(root / "loras"), "--lora-paths", f"a={root / 'loras' / 'a'}",
+                       "--max-tokens-limit", "8", "--max-n", "2",
+                       "--max-prompt-tokens", "64", "--kv-cache-tokens", "1024",
+                       log_dir=root) as s:
+        yield s
 
 
 def check_answer(case, r) -> None:

@@ -1,4 +1,4 @@
-"""The README works as written (issue 11): its own shell commands and Python snippet run, the
+"""The README works as written: its own shell commands and Python snippet run, the
 bench and curl ones against the server `make serve` starts; its flag table matches the parser;
 it links nothing outside the repository.
 
@@ -132,6 +132,16 @@ def make_serve(tmp_path_factory):
         yield server.wait_ready(), port
     finally:
         assert server.stop() in (0, -signal.SIGTERM, 2), server.log.read_text(errors="replace")
+
+
+def test_make_serve_says_what_it_loads_and_prints_its_examples_once_it_listens(make_serve):
+    server, port = make_serve
+    log = server.log.read_text(errors="replace")
+    steps = ["finding the model", "loading ", "Uvicorn running on", "ready: serving",
+             f"curl -s http://127.0.0.1:{port}/v1/models"]
+    at = [log.find(step) for step in steps]
+    assert -1 not in at and at == sorted(at), (dict(zip(steps, at, strict=True)), log[-3000:])
+    assert log.count(f"curl -s http://127.0.0.1:{port}/v1/models") == 1, log[-3000:]
 
 
 def test_readme_commands_work_against_make_serve(make_serve, bundled_model_dir, tmp_path):

@@ -1,6 +1,6 @@
-"""Request isolation (issue 11, first part): parameters that used to fail a whole engine step
-are normalised or refused at the edge, odd JSON gets a 400, and an unforeseen error inside
-the step costs only the request that caused it."""
+"""Request isolation: parameters that would fail a whole engine step are normalised or refused
+at the edge, odd JSON gets a 400, and an unforeseen error inside the step costs only the
+request that caused it."""
 
 from __future__ import annotations
 
@@ -86,12 +86,9 @@ def test_an_error_in_the_step_costs_only_its_request(tiny_model_dir, monkeypatch
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    s = ServerProcess(tiny_model_dir, "--max-loras-per-batch", "2",
-                      log_dir=tmp_path_factory.mktemp("isolation"))
-    try:
-        yield s.wait_ready()
-    finally:
-        s.stop()
+    with ServerProcess(tiny_model_dir, "--max-loras-per-batch", "2",
+                       log_dir=tmp_path_factory.mktemp("isolation")) as s:
+        yield s
 
 
 def test_hostile_requests_get_4xx_and_harm_no_one(server):

@@ -31,13 +31,10 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(files):
-    s = ServerProcess(files["model"], "--allow-runtime-lora-updates", "--lora-root",
-                      str(files["lroot"]), "--max-loaded-loras", "2", "--max-lora-rank", "16",
-                      "--max-loras-per-batch", "3", log_dir=files["root"])
-    try:
-        yield s.wait_ready()
-    finally:
-        s.stop()
+    with ServerProcess(files["model"], "--allow-runtime-lora-updates", "--lora-root",
+                       str(files["lroot"]), "--max-loaded-loras", "2", "--max-lora-rank", "16",
+                       "--max-loras-per-batch", "3", log_dir=files["root"]) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -26,13 +26,10 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(files):
-    s = ServerProcess(files["model"], "--lora-paths", f"a1={files['a1']}", f"a2={files['a2']}",
-                      "--max-n", "4", "--max-tokens-limit", "8000", "--max-prompt-tokens", "300",
-                      "--max-request-bytes", "65536", log_dir=files["root"])
-    try:
-        yield s.wait_ready()
-    finally:
-        s.stop()
+    with ServerProcess(files["model"], "--lora-paths", f"a1={files['a1']}", f"a2={files['a2']}",
+                       "--max-n", "4", "--max-tokens-limit", "8000", "--max-prompt-tokens", "300",
+                       "--max-request-bytes", "65536", log_dir=files["root"]) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

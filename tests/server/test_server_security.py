@@ -24,13 +24,10 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(files):
-    s = ServerProcess(files["model"], "--api-key", KEY, "--admin-api-key", ADMIN,
-                      "--lora-root", str(files["root"] / "loras"), log_dir=files["root"],
-                      api_key=KEY)
-    try:
-        yield s.wait_ready()
-    finally:
-        s.stop()
+    with ServerProcess(files["model"], "--api-key", KEY, "--admin-api-key", ADMIN,
+                       "--lora-root", str(files["root"] / "loras"), log_dir=files["root"],
+                       api_key=KEY) as s:
+        yield s
 
 
 def test_health_is_open_and_everything_else_needs_the_key(server):

@@ -1,7 +1,7 @@
 """The AdapterStore alone, with a fake slot pool and a fake disk loader (no model, no torch
 work): residency decisions, the one eviction rule, pure admission queries, and random
 sequences of register / acquire / release / unload / pin / prepare / bind keeping every
-invariant of DESIGN.md §3."""
+invariant of docs/design.md §3."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from loraserve.adapters.disk_loader import LoadResult
 from loraserve.adapters.format import LoraAdapterWeights
+from loraserve.adapters.residency import ResidencyLimits
 from loraserve.adapters.store import AdapterStore
 from loraserve.types import (
     AdapterBusyError,
@@ -90,10 +91,11 @@ class FakeLoader:
         pass
 
 
-def make(slots=3, per_batch=3, max_loaded=None, prefetch=0):
+def make(slots=3, per_batch=3, max_loaded=None, prefetch=0, reserved_names=frozenset()):
     loader = FakeLoader()
-    store = AdapterStore(FakeSlots(slots), loader, max_loras_per_batch=per_batch,
-                         max_loaded_loras=max_loaded, max_loras_prefetch=prefetch)
+    store = AdapterStore(FakeSlots(slots), loader,
+                         ResidencyLimits(per_batch, max_loaded, prefetch),
+                         reserved_names=reserved_names)
     return store, loader
 
 
@@ -129,7 +131,7 @@ def test_pinned_never_evicted_and_pin_limit():
 
 
 def test_names_conflicts_and_no_op_reload():
-    store, _ = make()
+    store, _ = make(reserved_names=frozenset({"Base-Model"}))
     a = reg(store, "a")
     assert store.check_new("a", "/p/a", False) is True  # same name and path: a no-op
     assert store.register("a", "/p/a", None, pinned=True) is a and a.pinned
@@ -140,7 +142,6 @@ def test_names_conflicts_and_no_op_reload():
             store.check_new(bad, "/p/x", False)
     with pytest.raises(AdapterNotFoundError):
         store.acquire("nope")
-    store.reserved_names = frozenset({"Base-Model"})
     with pytest.raises(LoraServeError, match="base model's name"):
         store.check_new("Base-Model", "/p/b", False)
     assert store.check_new("a.b-c_1", "/p/x", False) is False  # dots inside are fine
@@ -271,7 +272,8 @@ def test_random_operations_keep_every_invariant(seed):
         seen.update(store.entries)
     # the walk went through the interesting states, not around them
     assert store.slots.writes > 5
-    if store.max_loaded is not None and store.max_loaded < 5:
+    max_loaded = store.residency.limits.max_loaded_loras
+    if max_loaded is not None and max_loaded < 5:
         assert loader.started and any(e.stats.host_evictions for e in seen.values())
 
 
@@ -292,7 +294,8 @@ def check_invariants(store, live, running, ever_pinned_loaded):
             assert e.name not in store.names or store.names[e.name] != uid
     owners = [u for u in store.slot_owner if u is not None]
     assert len(owners) == len(set(owners))
-    if store.max_loaded is not None:
-        assert store.num_host <= store.max_loaded
-    assert store.num_pinned <= store.max_loras_per_batch - 1
+    limits = store.residency.limits
+    if limits.max_loaded_loras is not None:
+        assert store.num_host <= limits.max_loaded_loras
+    assert store.num_pinned <= limits.max_loras_per_batch - 1
     assert set(store.names.values()) <= set(store.entries)

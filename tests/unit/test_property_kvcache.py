@@ -1,4 +1,4 @@
-"""Property-based test (hypothesis, stateful) of the block pool with the prefix cache (issue 16).
+"""Property-based test (hypothesis, stateful) of the block pool with the prefix cache.
 
 Random sequences of add / admit (prefix hits, fork copies, chunked prefill) / compute /
 decode / fork / finish / abort / preempt / cache reset keep every invariant of the KV cache

@@ -1,6 +1,6 @@
 """Property-based test (hypothesis, stateful) of the scheduler with the KV cache manager and
 the adapter store (fake slots and disk reads), stepped the way LLMEngine.step does with a fake
-forward pass (issue 16). Random sequences of add (n > 1 forks, shared prefixes, several
+forward pass. Random sequences of add (n > 1 forks, shared prefixes, several
 clients) / abort / step / load / unload (mid-flight) / pin / finish or break a disk read keep
 every invariant of the engine's check (engine/invariants.py) between steps, and at the end
 every request still queued completes: nothing stalls, no block or refcount leaks."""
@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from test_adapter_store import weights
 from test_property_store import CheckedLoader, GrowingSlots
 
+from loraserve.adapters.residency import ResidencyLimits
 from loraserve.adapters.store import AdapterStore
 from loraserve.config import EngineConfig
 from loraserve.engine.invariants import check_engine
@@ -42,8 +43,9 @@ class MiniEngine:
                                    max_loras_per_batch=2, starvation_steps=4)
         self.kv = KVCacheManager(num_blocks=12, block_size=4)
         self.loader = CheckedLoader()
-        self.store = AdapterStore(GrowingSlots(2), self.loader, max_loras_per_batch=2,
-                                  max_loaded_loras=3, unified=unified)
+        self.store = AdapterStore(GrowingSlots(2), self.loader,
+                                  ResidencyLimits(2, max_loaded_loras=3),
+                                  memory="unified" if unified else "tiered")
         self.scheduler = Scheduler(self.config, self.kv, self.store, eos_token_ids=[0])
         self.output_processor = NoDetokenizer()
         self.requests: dict[str, Request] = {}

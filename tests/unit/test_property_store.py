@@ -1,5 +1,5 @@
-"""Property-based test (hypothesis, stateful) of the adapter store (issue 16), with a fake slot
-pool and a fake disk loader (tests/test_adapter_store.py): random sequences of load / unload /
+"""Property-based test (hypothesis, stateful) of the adapter store, with a fake slot
+pool and a fake disk loader (tests/unit/test_adapter_store.py): random sequences of load / unload /
 pin / acquire (a request, forks included) / release / prepare / finish or break a disk read /
 bind keep every invariant of the store's own check (refcounts equal live requests, slots hold
 their adapter's weights, host and pin caps, no stuck or orphan loads), in both tiered and
@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from test_adapter_store import FakeLoader, FakeSlots, weights
 
+from loraserve.adapters.residency import ResidencyLimits
 from loraserve.adapters.store import AdapterStore
+from loraserve.adapters.store_check import check_store
 from loraserve.types import LoraServeError
 
 NAMES = [f"n{i}" for i in range(6)]
@@ -34,10 +36,13 @@ def test_unified_queue_reads_stay_within_the_loader_workers():
     # A read queued behind busy workers would evict a resident adapter long before its own
     # weights land: the queue's prefetch starts at most `workers` reads at a time.
     loader = FakeLoader()
-    store = AdapterStore(GrowingSlots(1), loader, max_loras_per_batch=1, max_loaded_loras=2,
-                         unified=True)
-    uids = [store.register(n, f"/p/{n}", weights(n)).uid for n in "abcde"]  # d, e resident
-    store.max_loaded = store.lookahead = 8  # room and lookahead for all: workers limit reads
+    store = AdapterStore(GrowingSlots(1), loader, ResidencyLimits(1, max_loaded_loras=8),
+                         memory="unified")
+    # the lookahead (max_loaded_loras) takes in the whole queue: only the workers limit
+    # the reads (each evicts a resident adapter no request needs)
+    uids = [store.register(n, f"/p/{n}", weights(n)).uid for n in "abcdefghijk"]
+    uids = uids[:3]  # evicted to disk by the last three
+    assert not any(store.is_ready(u) for u in uids)
     store.prepare(in_use=set(), upcoming=uids[:3])
     assert loader.started == uids[:2]
     loader.finish()
@@ -54,14 +59,14 @@ class CheckedLoader(FakeLoader):
 
 
 class StoreMachine(RuleBasedStateMachine):
-    unified = False
+    memory = "tiered"
 
     def __init__(self):
         super().__init__()
         self.loader = CheckedLoader()
-        self.store = AdapterStore(GrowingSlots(3), self.loader, max_loras_per_batch=3,
-                                  max_loaded_loras=4, max_loras_prefetch=1,
-                                  unified=self.unified)
+        self.store = AdapterStore(GrowingSlots(3), self.loader,
+                                  ResidencyLimits(3, max_loaded_loras=4, max_loras_prefetch=1),
+                                  memory=self.memory)
         self.live: list[int] = []  # one acquired uid per live request
         self.running: set[int] = set()  # adapters bound for running requests
         self.pinned_resident: set[int] = set()
@@ -71,13 +76,14 @@ class StoreMachine(RuleBasedStateMachine):
         return (dict(s.names), {u: (e.weights is not None, e.slot, e.pinned, e.refcount)
                                 for u, e in s.entries.items()})
 
-    @rule(name=st.sampled_from(NAMES), pinned=st.booleans(), new_weights=st.booleans())
-    def load(self, name, pinned, new_weights):
+    @rule(name=st.sampled_from(NAMES), pinned=st.booleans(), new_weights=st.booleans(),
+          replace=st.booleans())
+    def load(self, name, pinned, new_weights, replace):
         path = f"/p/{name}" + ("-v2" if new_weights else "")
         before = self._state()
-        try:
+        try:  # replace: a new version; the old ones retire once idle and beyond the limit
             self.store.register(name, path, weights(path.rsplit("/", 1)[1]), pinned,
-                                in_use=self.running)
+                                in_use=self.running, replace=replace)
         except LoraServeError:  # conflict, pin cap, host full of busy adapters
             assert self._state() == before, "a refused load changed the store"
 
@@ -137,20 +143,21 @@ class StoreMachine(RuleBasedStateMachine):
     def consistent(self):
         s = self.store
         waiting = [u for u in dict.fromkeys(self.live) if u not in self.running]
-        assert s.check(Counter(self.live), self.running, waiting) == []
+        assert check_store(s, Counter(self.live), self.running, waiting) == []
         for uid, e in s.entries.items():
             if e.pinned and e.weights is not None:
                 self.pinned_resident.add(uid)
-            if uid in self.pinned_resident:
+            if uid in self.pinned_resident and e.pinned:  # a replace moves the pin on
                 assert e.weights is not None, "a pinned adapter was evicted"
             if uid in self.running:
                 assert e.weights is not None, "a running adapter lost its weights"
-        if s.unified:  # a queued read would evict a resident adapter long before it lands
+        if s.residency.name == "unified":  # a queued read would evict a resident adapter
+            # long before it lands
             assert self.loader.num_pending <= self.loader.workers, "reads beyond the workers"
 
 
 class UnifiedStoreMachine(StoreMachine):
-    unified = True
+    memory = "unified"
 
 
 SETTINGS = settings(max_examples=80, stateful_step_count=40, deadline=None,
@@ -172,8 +179,8 @@ def test_a_slot_refusing_reloaded_weights_fails_only_that_adapter():
             super().write(slot, w)
 
     loader = CheckedLoader()
-    store = AdapterStore(Refusing(2), loader, max_loras_per_batch=2, max_loaded_loras=1,
-                         unified=True)
+    store = AdapterStore(Refusing(2), loader, ResidencyLimits(2, max_loaded_loras=1),
+                         memory="unified")
     ok = store.register("ok", "/p/ok", weights("ok"))
     busy = store.acquire("ok")
     bad = store.register("bad", "/p/bad", weights("bad"), in_use={busy})
@@ -185,7 +192,7 @@ def test_a_slot_refusing_reloaded_weights_fails_only_that_adapter():
     failed = store.prepare(in_use=set(), upcoming=[uid])
     assert "exceeds max_lora_rank" in failed[uid] and bad.tier == "disk"
     store.release(uid)
-    assert store.check(Counter(), set(), []) == [] and ok.uid in store.entries
+    assert check_store(store, Counter(), set(), []) == [] and ok.uid in store.entries
 
 
 def test_reads_in_flight_for_ended_requests_are_not_a_stall():
@@ -194,8 +201,8 @@ def test_reads_in_flight_for_ended_requests_are_not_a_stall():
     land, become evictable, and the next prepare starts the waiting one: progress, not a
     stall (the check had flagged it)."""
     loader = CheckedLoader()
-    store = AdapterStore(GrowingSlots(3), loader, max_loras_per_batch=3, max_loaded_loras=4,
-                         unified=True)
+    store = AdapterStore(GrowingSlots(3), loader, ResidencyLimits(3, max_loaded_loras=4),
+                         memory="unified")
     for name, pinned in (("n4", True), ("n0", False), ("n1", False), ("n2", False),
                          ("n5", True), ("n3", False)):
         store.register(name, f"/p/{name}", weights(name), pinned)
@@ -205,10 +212,10 @@ def test_reads_in_flight_for_ended_requests_are_not_a_stall():
     store.release(a)
     store.release(b)
     c = store.acquire("n2")
-    assert store.check(Counter({c: 1}), set(), [c]) == []
+    assert check_store(store, Counter({c: 1}), set(), [c]) == []
     loader.finish()
     store.prepare(in_use=set(), upcoming=[c])  # lands n0, n1; evicts one for n2's read
     assert loader.is_loading(c)
     loader.finish()
     store.prepare(in_use=set(), upcoming=[c])
-    assert store.is_ready(c) and store.check(Counter({c: 1}), set(), [c]) == []
+    assert store.is_ready(c) and check_store(store, Counter({c: 1}), set(), [c]) == []

@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from loraserve.config import LORA_BACKEND_ENV
 from loraserve.lora import sgmv_cpu
 from loraserve.lora.backends.base import LoraBackend, LoraPlan
 from loraserve.lora.backends.cpu_kernel import CpuKernelLoraBackend, KernelUnavailable
@@ -24,7 +25,7 @@ from loraserve.lora.layout import RANK_TILE
 
 log = logging.getLogger("loraserve.lora")
 
-BACKEND_ENV = "LORASERVE_LORA_BACKEND"
+BACKEND_ENV = LORA_BACKEND_ENV
 LORA_BACKENDS: dict[str, type[LoraBackend]] = {
     CpuKernelLoraBackend.name: CpuKernelLoraBackend,
     TorchLoraBackend.name: TorchLoraBackend,

@@ -1,6 +1,6 @@
 """The `cpu` LoRA backend: the C kernel (lora/sgmv_cpu.c), one call per layer and group for
-every segment of the step, decodes and long prompts alike (2.3-2.7x oneDNN's GEMMs even for
-one 2048-token prompt; benchmarks/lora_op_micro.py).
+every segment of the step, decodes and long prompts alike (faster than oneDNN's GEMMs even for
+one long prompt; benchmarks/kernels/lora_op_micro.py re-measures it).
 
 Where the projection runs on our GEMM (ops/gemm_cpu.c), `project` fuses the two (lora/
 gemm_lora_cpu.py), with the same results bit for bit: for long segments each x block's
@@ -24,9 +24,9 @@ from loraserve.lora.batch import LoraBatch, SlotWeights
 # GEMM, and what costs is reading the weights.
 FUSE_MIN_TOKENS = 16
 
-# The kernel's view of one group: int64 (slot, start, end, rank) rows, int64 (segment, o0,
-# o1, c0, c1, boff) rows, the widest rank, and the fused decode call where a decode step takes
-# one (else None).
+# The kernel's view of one group: int64 rows of sgmv_cpu.SEG_FIELDS and of
+# sgmv_cpu.PART_FIELDS (lora/lora_rows.h reads them as structs), the widest rank, and the fused
+# decode call where a decode step takes one (else None).
 KernelPlan = tuple[torch.Tensor, torch.Tensor, int, "gemm_lora_cpu.DecodeCall | None"]
 
 

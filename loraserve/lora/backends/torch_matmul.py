@@ -1,8 +1,9 @@
 """The `torch` LoRA backend: one shrink and one expand matmul per segment and module, on views
 of the slot pool (no weight copies), sized by the segment's packed rank (Punica's SGMV
-written as matmuls). Runs wherever torch does; the C kernel is 2-7x faster on CPU
-(benchmarks/lora_op_micro.py). Gathering per-token weights for bmm is far slower still: it
-copies weights every call.
+written as matmuls). Runs wherever torch does; on CPU the C kernel is faster (it reads
+each adapter's packed tiles in one stream instead of two matmul calls per segment and module;
+benchmarks/kernels/lora_op_micro.py compares them). Gathering per-token weights for bmm would
+be slower still: it copies weights every call.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class TorchLoraBackend(LoraBackend):
 
     def __init__(self, weights: SlotWeights) -> None:
         super().__init__(weights)
-        # oneDNN's GEMM is 1.3-2x MKL's sgemm on long segments here (ops/gemm.py)
+        # oneDNN's GEMM beats MKL's sgemm on long segments on AMD hosts, where MKL takes a
+        # slow path (benchmarks/kernels/lora_op_micro.py, torch-onednn against torch-segments)
         self.onednn = onednn_enabled() and weights.device.type == "cpu"  # oneDNN: CPU only
 
     def plan_group(self, batch: LoraBatch, group: str,

@@ -3,8 +3,9 @@
 Decodes (one new token each) read their context where it lies in the KV blocks
 (paged_decode.c). A fresh prompt attends to its own new K/V directly; a chunk or a prompt
 with cached context gathers that context a whole block at a time (rows of block_size *
-kv_heads * hd floats: 2.5x faster than token rows) for SDPA. Without a C compiler, or with
-LORASERVE_PAGED_DECODE=0, decodes take the gather + SDPA path too.
+kv_heads * hd floats: a few long copies instead of one short copy per token) for SDPA.
+Without a C compiler, or with LORASERVE_PAGED_DECODE=0, decodes take the gather + SDPA path
+too.
 
 A sliding window is a mask (built once per step and window, shared by the layers that have
 it); soft-capped scores (Gemma 2) cannot go through SDPA, so those layers compute the same

@@ -1,9 +1,9 @@
 /* Paged decode attention: each decoding sequence's one new query token attends to its
  * context (the last `window` tokens of it when window > 0), read where it lies in the blocks.
  *
- * Why C: gathering every context into a padded contiguous copy for torch's SDPA moved the
- * whole cache through memory twice per layer (write, read) and ran at ~4 GB/s; at 128
- * sequences x 576 tokens it was 60% of a decode step. Here K and V are each read once.
+ * Why C: gathering every context into a padded contiguous copy for torch's SDPA moves the
+ * whole cache through memory twice per layer (write, read), and at long contexts that was most
+ * of a decode step (docs/cpu-kernels.md). Here K and V are each read once.
  *
  * Layout: q/out rows [nh, hd] (unit stride within a row) at q + rows[i] * q_stride; k_cache and
  * v_cache [num_slots, kvh, hd] contiguous, slot = block * block_size + offset; tables int64
@@ -15,16 +15,18 @@
  *
  * With AVX2 + FMA and a head size that is a multiple of 8 (every family we serve), scores are
  * computed 8 tokens at a time: eight independent multiply-add chains, one 8-float q chunk shared
- * by all, then one transposing horizontal-add tree turns the 8 partial vectors into 8 scores.
- * A per-token dot product with its own horizontal sum was latency-bound at ~12 GB/s; exp is a
- * vector polynomial (relative error ~2e-7) instead of scalar expf.
+ * by all, then one transposing horizontal-add tree turns the 8 partial vectors into 8 scores
+ * (a per-token dot product with its own horizontal sum was latency-bound); exp is a vector
+ * polynomial (relative error ~2e-7) instead of scalar expf.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "../../ops/simd.h"
+#include "../../ops/tuning.h"
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 #define HAVE_AVX2 1
 #endif
 
@@ -67,36 +69,20 @@ static void attend_scalar(const float *qh, float *o, const float *kbase, const f
 
 #ifdef HAVE_AVX2
 /* exp(x) for x <= 0 (scores minus their max): 2^n * poly(r), r = x - n ln2, |r| <= ln2 / 2. */
-static inline __m256 exp_neg(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f)); /* below: 2^n would leave the normals */
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-    __m256 y = _mm256_set1_ps(1.f / 5040);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f / 720));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f / 120));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f / 24));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f / 6));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.5f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f));
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-static inline void prefetch_row(const float *row, int64_t floats) {
-    for (int64_t b = 0; b < floats; b += 16) _mm_prefetch((const char *)(row + b), _MM_HINT_T0);
-}
-
-/* [sum(a[0]), ..., sum(a[7])]: the eight horizontal sums as one vector, in order. */
-static inline __m256 hsum8(const __m256 a[8]) {
-    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-    const __m256 t0 = _mm256_hadd_ps(s01, s23), t1 = _mm256_hadd_ps(s45, s67);
-    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
-                         _mm256_permute2f128_ps(t0, t1, 0x31));
+static inline f32x8 exp_neg(f32x8 x) {
+    x = f32x8_max(x, f32x8_set1(-87.0f)); /* below: 2^n would leave the normals */
+    const f32x8 n = f32x8_round(f32x8_mul(x, f32x8_set1(1.44269504f)));
+    f32x8 r = f32x8_fnma(n, f32x8_set1(0.693145752f), x);
+    r = f32x8_fnma(n, f32x8_set1(1.42860677e-6f), r);
+    f32x8 y = f32x8_set1(1.f / 5040);
+    y = f32x8_fma(y, r, f32x8_set1(1.f / 720));
+    y = f32x8_fma(y, r, f32x8_set1(1.f / 120));
+    y = f32x8_fma(y, r, f32x8_set1(1.f / 24));
+    y = f32x8_fma(y, r, f32x8_set1(1.f / 6));
+    y = f32x8_fma(y, r, f32x8_set1(0.5f));
+    y = f32x8_fma(y, r, f32x8_set1(1.f));
+    y = f32x8_fma(y, r, f32x8_set1(1.f));
+    return f32x8_mul(y, f32x8_exp2i(n));
 }
 
 static inline __attribute__((always_inline)) void attend_avx2(
@@ -105,8 +91,8 @@ static inline __attribute__((always_inline)) void attend_avx2(
         int64_t block_size, float scale, float softcap, float *p) {
     /* H kv heads (adjacent in a token's row) and their H * G query heads; p: [H * G, n]. */
     const int64_t n = L - t_begin, HG = H * G;
-    __m256 vmax[HG]; /* running max per query head */
-    for (int64_t j = 0; j < HG; j++) vmax[j] = _mm256_set1_ps(-INFINITY);
+    f32x8 vmax[HG]; /* running max per query head */
+    for (int64_t j = 0; j < HG; j++) vmax[j] = f32x8_set1(-INFINITY);
     for (int64_t t0 = 0; t0 < n; t0 += 8) {
         const int64_t nt = n - t0 < 8 ? n - t0 : 8;
         const float *k[8], *pv[8]; /* this group's K rows, and its V rows (prefetched below) */
@@ -116,87 +102,83 @@ static inline __attribute__((always_inline)) void attend_avx2(
             k[j] = kbase + row;
             pv[j] = vbase + row;
         }
-        /* Prefetch, spread over the head loop below (a burst of ~100 overflows the miss
-         * buffers and is dropped): K rows two groups ahead, and this group's V rows, which
-         * the weighted sum reads after the whole score pass (into L2) */
+        /* Prefetch, spread over the head loop below (a burst overflows the miss buffers and
+         * is dropped): K rows ATTN_K_AHEAD tokens ahead, and this group's V rows, which the
+         * weighted sum reads after the whole score pass */
         const float *pk[8];
         int64_t npk = 0;
-        for (int64_t j = t0 + 16; j < t0 + 24 && j < n; j++)
+        for (int64_t j = t0 + ATTN_K_AHEAD; j < t0 + ATTN_K_AHEAD + 8 && j < n; j++)
             pk[npk++] = kbase + slot_of(table, t_begin + j, block_size) * tok_stride;
-        const int64_t lpr = H * HD / 16, totk = npk * lpr, totv = nt * lpr;
+        const int64_t lpr = H * HD / LINE_FLOATS, totk = npk * lpr, totv = nt * lpr;
         for (int64_t hg = 0; hg < HG; hg++) {
             for (int64_t li = hg * totk / HG; li < (hg + 1) * totk / HG; li++)
-                _mm_prefetch((const char *)(pk[li / lpr] + li % lpr * 16), _MM_HINT_T0);
+                PREFETCH(pk[li / lpr] + li % lpr * LINE_FLOATS, ATTN_K_HINT);
             for (int64_t li = hg * totv / HG; li < (hg + 1) * totv / HG; li++)
-                _mm_prefetch((const char *)(pv[li / lpr] + li % lpr * 16), _MM_HINT_T1);
+                PREFETCH(pv[li / lpr] + li % lpr * LINE_FLOATS, ATTN_V_HINT);
             const float *qg = qh + hg * HD;
             const int64_t koff = hg / G * HD; /* this query head's kv head in the row */
-            __m256 acc[8];
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+            f32x8 acc[8];
+            for (int j = 0; j < 8; j++) acc[j] = f32x8_zero();
             for (int64_t d = 0; d < HD; d += 8) {
-                const __m256 qd = _mm256_loadu_ps(qg + d);
+                const f32x8 qd = f32x8_load(qg + d);
                 for (int j = 0; j < 8; j++)
-                    acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[j] + koff + d), acc[j]);
+                    acc[j] = f32x8_fma(qd, f32x8_load(k[j] + koff + d), acc[j]);
             }
-            __m256 s = _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale));
+            f32x8 s = f32x8_mul(f32x8_hsums(acc), f32x8_set1(scale));
             float tmp[8];
-            _mm256_storeu_ps(tmp, s);
+            f32x8_store(tmp, s);
             if (softcap > 0.f) {
                 for (int j = 0; j < 8; j++) tmp[j] = cap(tmp[j], softcap);
-                s = _mm256_loadu_ps(tmp);
+                s = f32x8_load(tmp);
             }
             if (nt == 8) {
-                _mm256_storeu_ps(p + hg * n + t0, s);
-                vmax[hg] = _mm256_max_ps(vmax[hg], s);
+                f32x8_store(p + hg * n + t0, s);
+                vmax[hg] = f32x8_max(vmax[hg], s);
             } else {
                 for (int64_t j = 0; j < nt; j++) {
                     p[hg * n + t0 + j] = tmp[j];
-                    vmax[hg] = _mm256_max_ps(vmax[hg], _mm256_set1_ps(tmp[j]));
+                    vmax[hg] = f32x8_max(vmax[hg], f32x8_set1(tmp[j]));
                 }
             }
         }
     }
     for (int64_t hg = 0; hg < HG; hg++) {
         float *pg = p + hg * n, m8[8], mx = -INFINITY;
-        _mm256_storeu_ps(m8, vmax[hg]);
+        f32x8_store(m8, vmax[hg]);
         for (int j = 0; j < 8; j++) mx = m8[j] > mx ? m8[j] : mx;
-        const __m256 vmx = _mm256_set1_ps(mx);
-        __m256 vsum = _mm256_setzero_ps();
+        const f32x8 vmx = f32x8_set1(mx);
+        f32x8 vsum = f32x8_zero();
         int64_t t = 0;
         for (; t + 8 <= n; t += 8) {
-            const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(pg + t), vmx));
-            _mm256_storeu_ps(pg + t, e);
-            vsum = _mm256_add_ps(vsum, e);
+            const f32x8 e = exp_neg(f32x8_sub(f32x8_load(pg + t), vmx));
+            f32x8_store(pg + t, e);
+            vsum = f32x8_add(vsum, e);
         }
         float s8[8], sum = 0.f;
-        _mm256_storeu_ps(s8, vsum);
+        f32x8_store(s8, vsum);
         for (int j = 0; j < 8; j++) sum += s8[j];
         for (; t < n; t++) sum += (pg[t] = expf(pg[t] - mx));
-        const __m256 inv = _mm256_set1_ps(1.f / sum);
+        const f32x8 inv = f32x8_set1(1.f / sum);
         /* weighted sum of V, 64 dims at a time so the 8 accumulators stay in registers; the
          * first head's pass brings the rows into cache for the others */
         for (int64_t d0 = 0; d0 < HD; d0 += 64) {
             const int64_t nd = HD - d0 < 64 ? (HD - d0) / 8 : 8;
-            __m256 acc[8];
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+            f32x8 acc[8];
+            for (int j = 0; j < 8; j++) acc[j] = f32x8_zero();
             for (int64_t b0 = 0; b0 < n;) { /* block by block: one table lookup each */
                 const int64_t off = (t_begin + b0) % block_size;
                 const int64_t nb = block_size - off < n - b0 ? block_size - off : n - b0;
                 const float *v = vbase + slot_of(table, t_begin + b0, block_size) * tok_stride
                                  + hg / G * HD + d0;
-                if (hg == 0 && d0 == 0 && b0 + nb < n) /* the next block, on the first pass */
-                    for (int64_t t1 = 0; t1 < 16 && b0 + nb + t1 < n; t1++)
-                        prefetch_row(vbase + slot_of(table, t_begin + b0 + nb + t1, block_size)
-                                     * tok_stride, H * HD);
                 for (int64_t t1 = 0; t1 < nb; t1++, v += tok_stride) {
-                    const __m256 w = _mm256_set1_ps(pg[b0 + t1]);
+                    const f32x8 w = f32x8_set1(pg[b0 + t1]);
                     for (int64_t j = 0; j < nd; j++)
-                        acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * j), acc[j]);
+                        acc[j] = f32x8_fma(w, f32x8_load(v + 8 * j), acc[j]);
                 }
                 b0 += nb;
             }
             for (int64_t j = 0; j < nd; j++)
-                _mm256_storeu_ps(o + hg * HD + d0 + 8 * j, _mm256_mul_ps(acc[j], inv));
+                f32x8_store(o + hg * HD + d0 + 8 * j, f32x8_mul(acc[j], inv));
         }
     }
 }
@@ -213,11 +195,12 @@ int paged_decode_attention(const float *q, int64_t q_stride, const int64_t *rows
     if (window > 0 && window < max_len) max_len = window;
     int failed = 0;
     /* A batch-1 step's few hundred dot products are not worth waking a thread team for. */
-    const int parallel = n * kvh * max_len * hd >= (1 << 17);
+    const int parallel = n * kvh * max_len * hd >= ATTN_PARALLEL_MIN;
     /* A work item takes all kv heads of a sequence when there are enough sequences to share
      * out: a token's row of every head is then read whole (the hardware fetches neighbouring
      * lines anyway; reading one head's slice per pass fetched the row kvh times). */
-    const int64_t H = n >= 4 * (int64_t)nthreads ? kvh : 1, items = n * (kvh / H);
+    const int64_t H = n >= ATTN_SEQS_PER_THREAD * (int64_t)nthreads ? kvh : 1;
+    const int64_t items = n * (kvh / H);
 #pragma omp parallel num_threads(nthreads) if (parallel)
     {
         float *p = malloc(sizeof(float) * (size_t)(max_len * G * H)); /* [H * G, window] */

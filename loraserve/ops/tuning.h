@@ -1,0 +1,127 @@
+/* Every tuned constant of the CPU kernels, per ISA where they differ: what it is, why it has
+ * this value, and the script that re-measures it (in benchmarks/kernels/; `kernel_ab.py X` is
+ * its subcommand X, which A/Bs two builds of a kernel). The figures behind each choice, and
+ * the alternatives tried, are in docs/cpu-kernels.md. A value under #ifndef may be set with -D
+ * for an A/B (kernel_ab.py --b-flags).
+ */
+#ifndef LORASERVE_TUNING_H
+#define LORASERVE_TUNING_H
+
+#include "simd.h" /* the prefetch hints PF_L1, PF_L2, PF_NT */
+
+/* ---- GEMM register tiles (ops/gemm_tile.h) ----------------------------------------------- */
+
+#ifdef __AVX512F__
+/* 8 rows x 2 panels: 16 zmm accumulators, 2 B loads and 8 broadcasts per 16 FMAs
+ * (gemm_shapes.py) */
+#define TILE_ROWS 8
+#define TILE_PANELS 2
+#else
+/* 6 rows x 1 panel: 12 ymm accumulators, 2 B loads and 6 broadcasts per 12 FMAs, the most
+ * the 16 ymm registers hold (gemm_shapes.py) */
+#define TILE_ROWS 6
+#define TILE_PANELS 1
+#endif
+
+/* KB of x rows per GEMM block: the block stays in L2 while every panel passes over it, so the
+ * L2 size sets it (gemm_shapes.py, fused_lora.py) */
+#ifndef GEMM_XBLOCK
+#ifdef __AVX512F__
+#define GEMM_XBLOCK 768
+#else
+#define GEMM_XBLOCK 192
+#endif
+#endif
+
+/* M * N * K below which a GEMM runs on one thread: waking the team costs more than it saves
+ * on a tiny model's products (gemm_shapes.py) */
+#define GEMM_PARALLEL_MIN (1 << 18)
+
+/* The next panel (pair) of a GEMM, fetched one line per k step by a column's first row tile
+ * when it has more than one: into L1, where its K loop reads it next (gemm_shapes.py) */
+#define GEMM_NEXT_PANEL_HINT PF_L1
+
+/* ---- The fused decode op's fetch streams (lora/fused_tile.h) ----------------------------- */
+
+/* A stream fetches one line every FETCH_STRIDE k steps, or every FETCH_STRIDE / 2, or every
+ * step: the widest that fits its lines in K, so the fetches spread over the tile's K loop (a
+ * line per step, all at the start of K, was slower) (kernel_ab.py decode-op) */
+#define FETCH_STRIDE 4
+#ifdef __AVX512F__
+/* the next unit's panels and the adapter lines both into L2: L1 measured the same, and
+ * non-temporal slower (kernel_ab.py decode-op) */
+#define FETCH_PANEL_HINT PF_L2
+#define FETCH_LORA_HINT PF_L2
+#else
+/* a unit is one panel: into L1, where the next unit's tiles read it; the adapter lines
+ * non-temporal, so they do not evict the panel (kernel_ab.py decode-op, imitated AVX2) */
+#define FETCH_PANEL_HINT PF_L1
+#define FETCH_LORA_HINT PF_NT
+#endif
+
+/* ---- The LoRA kernels (lora/sgmv_tiles.h, lora/sgmv_cpu.c) ------------------------------- */
+
+/* The slot pool's tile width (A tiles, B strips) each build reads fastest: 4 zmm vectors a
+ * row with AVX-512; 16 on AVX2, where a 16-column register tile then reads its strip as one
+ * sequential stream (kernel_ab.py lora --a-tile 64 --b-tile 16) */
+#ifdef __AVX512F__
+#define LORA_PREFERRED_TILE 64
+#else
+#define LORA_PREFERRED_TILE 16
+#endif
+/* tokens per shrink and expand register tile: 6 rows of accumulators fit the registers with
+ * the B vectors and a broadcast (the tiles' macros are written for 6) (kernel_ab.py lora) */
+#define LORA_TILE_TOKENS 6
+/* rows of A (shrink) or B (expand) fetched ahead of the tile's first pass over them, into one
+ * level only (PF_NT): the rows are read once per token chunk, then from cache
+ * (kernel_ab.py lora) */
+#define LORA_FETCH_ROWS 8
+#define LORA_FETCH_HINT PF_NT
+/* shrink work item: tokens of one segment against one A tile (kernel_ab.py lora) */
+#define LORA_SHRINK_TOKENS 60
+/* expand work item: output columns of one part, for this many tokens of its segment: long
+ * prompts keep both threads busy (kernel_ab.py lora) */
+#define LORA_EXPAND_COLS 2048
+#define LORA_EXPAND_TOKENS 256
+/* a batch of at least this many segments per thread, none longer than LORA_FUSE_MAX_TOKENS,
+ * gives each thread whole segments (shrink then expand, no barrier) (kernel_ab.py lora) */
+#define LORA_SEGS_PER_THREAD 4
+#define LORA_FUSE_MAX_TOKENS 8
+
+/* ---- The fused prefill op (lora/gemm_expand_cpu.c) --------------------------------------- */
+
+/* rows of a shrink work item: whole 6-token tiles, short enough that a block's items keep both
+ * threads busy whatever the mix of ranks (fused_lora.py) */
+#define EXPAND_SHRINK_ROWS 48
+
+/* ---- The interleaved decode op (lora/gemm_lora_decode_*.{c,h}) --------------------------- */
+
+/* B strips per expand work item: items finish soon after their columns (kernel_ab.py decode-op) */
+#define DECODE_EXPAND_STRIPS 4
+/* a GEMM column's multiply-adds per float of LoRA work a core streams in the same time: weighs
+ * the GEMM against the LoRA work when the plan shares them out; work stealing evens out what
+ * the estimate misses (kernel_ab.py decode-op) */
+#define DECODE_MACS_PER_LORA_FLOAT 16.0
+
+/* ---- Paged decode attention (model/attention/paged_decode.c) ----------------------------- */
+
+/* sequences * kv heads * context * head size below which a step runs on one thread: a batch-1
+ * step's few hundred dot products (kernel_ab.py attention) */
+#define ATTN_PARALLEL_MIN (1 << 17)
+/* with at least this many sequences per thread a work item takes every kv head of its
+ * sequence, reading each token's row whole (kernel_ab.py attention) */
+#define ATTN_SEQS_PER_THREAD 4
+/* K rows fetched this many tokens ahead (two 8-token groups), into L1 for the next score
+ * pass; spread over the head loop so the burst does not overflow the miss buffers
+ * (kernel_ab.py attention) */
+#define ATTN_K_AHEAD 16
+#define ATTN_K_HINT PF_L1
+/* this group's V rows, read after the whole score pass: into L2 (kernel_ab.py attention) */
+#define ATTN_V_HINT PF_L2
+
+/* ---- Element-wise kernels (ops/fused_cpu.c) ---------------------------------------------- */
+
+/* elements below which a kernel runs on one thread (kernel_ab.py elementwise) */
+#define ELEMWISE_PARALLEL_MIN (1 << 16)
+
+#endif
