@@ -25,6 +25,7 @@ class Request:
         lora_name: str | None = None,
         generator: Any = None,
         origin: str | None = None,
+        client_id: str | None = None,
         cache_namespace: bytes = b"",
         fork_parent: Request | None = None,
     ):
@@ -38,6 +39,7 @@ class Request:
         self.adapter_version: int | None = None  # the version of lora_name it is bound to
         self.generator = generator  # its own RNG (a torch.Generator) when a seed was given
         self.origin = origin  # the client request it came from (its n x prompts share one)
+        self.client_id = client_id  # the tenant (API key's name) that sent it; None: no keys
         # Prefix cache: the namespace of its K/V (the weights they are computed under), the
         # hash chain of its full blocks, and how many of its blocks are indexed.
         self.cache_namespace = cache_namespace

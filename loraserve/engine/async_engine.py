@@ -19,10 +19,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from loraserve.adapters.daemon_pool import DaemonPool
 from loraserve.adapters.format import read_adapter
+from loraserve.adapters.peft.budget import LoadBudget
 from loraserve.adapters.spill import spill_dir
 from loraserve.engine import messages as M
-from loraserve.types import FinishReason, RequestOutput, SamplingParams
+from loraserve.types import (
+    AdapterLoadCancelledError,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+)
 
 log = logging.getLogger("loraserve.engine")
 
@@ -90,6 +97,10 @@ class AsyncEngine:
         self._idle_poll_s = idle_poll_s
         self._thread: threading.Thread | None = None
         self.errors = 0  # unexpected step failures survived (for tests and metrics)
+        # admin loads: read on daemon threads, within a budget that shutdown cancels
+        self._loads: DaemonPool | None = None
+        self._closing = threading.Event()
+        self._reads: set[asyncio.Future] = set()  # admin loads waiting for their read
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -97,7 +108,17 @@ class AsyncEngine:
             self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
             self._thread.start()
 
+    def cancel_loads(self) -> None:
+        """End admin loads in progress with a 503 now (event loop thread); their reads stop
+        at their next budget check, and no read holds the process at exit (daemon threads)."""
+        self._closing.set()
+        for read in list(self._reads):
+            read.cancel()
+
     def shutdown(self, timeout: float = 10.0) -> None:
+        self.cancel_loads()
+        if self._loads is not None:
+            self._loads.shutdown()
         if self._thread is not None:
             self._cmds.put(_STOP)
             self._thread.join(timeout)
@@ -112,14 +133,15 @@ class AsyncEngine:
     async def add_request(self, prompt: M.Prompt, params: SamplingParams,
                           lora_name: str | None = None, request_id: str | None = None,
                           origin: str | None = None,
-                          fork_of: str | None = None) -> RequestStream:
+                          fork_of: str | None = None,
+                          client_id: str | None = None) -> RequestStream:
         """Queue a request; raises what `engine.add_request` raised (LoraServeError: 4xx).
         `fork_of`: an earlier request with the same prompt and adapter (n > 1) whose
         computed prompt this one shares instead of computing it again."""
         rid = request_id or f"req-{uuid.uuid4().hex}"
         q: asyncio.Queue = asyncio.Queue()
         stream = RequestStream(self, rid, q)
-        cmd = M.AddRequest(rid, prompt, params, lora_name, origin, fork_of)
+        cmd = M.AddRequest(rid, prompt, params, lora_name, origin, fork_of, client_id)
         self._cmds.put(_Envelope(cmd, asyncio.get_running_loop(), q))
         try:
             first = await q.get()
@@ -175,19 +197,36 @@ class AsyncEngine:
         try:
             same = await self._ask(M.CheckAdapterLoad(name, path, pinned, replace))
             weights = None
-            if not same:  # read + validate on an executor thread: decoding never stalls
-                info = self.info
-                weights = await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: read_adapter(path, info.model_config,
-                                               max_lora_rank=info.max_lora_rank,
-                                               allow_pickle=info.allow_pickle_adapters,
-                                               root=root))
+            if not same:  # read + validate on a worker thread: decoding never stalls
+                weights = await self._read(name, path, root)
             return await self._ask(M.LoadAdapter(name, path, pinned, weights, replace, version,
                                                  owned))
         except BaseException:
             if owned:
                 spill_dir().remove(path)
             raise
+
+    async def _read(self, name: str, path: str, root: str | None):
+        """The adapter read on a daemon worker within a load budget that shutdown cancels."""
+        info = self.info
+        if self._loads is None:
+            self._loads = DaemonPool(2, "lora-admin-load")
+        closing = self._closing
+        read = asyncio.wrap_future(self._loads.submit(  # the budget starts with the read
+            lambda: read_adapter(path, info.model_config, max_lora_rank=info.max_lora_rank,
+                                 allow_pickle=info.allow_pickle_adapters, root=root,
+                                 budget=LoadBudget(cancelled=closing))))
+        self._reads.add(read)
+        try:
+            return await read
+        except asyncio.CancelledError:
+            if not self._closing.is_set():
+                raise  # the caller went away
+            raise AdapterLoadCancelledError(
+                f"adapter {name!r}: the load was cancelled (the server is shutting down); "
+                "retry on another replica or later") from None
+        finally:
+            self._reads.discard(read)
 
     async def unload_lora_adapter(self, name: str) -> None:
         await self._ask(M.UnloadAdapter(name))

@@ -191,7 +191,8 @@ class LLMEngine:
 
     def add_request(self, prompt: M.Prompt, params: SamplingParams,
                     lora_name: str | None = None, request_id: str | None = None,
-                    origin: str | None = None, fork_of: str | None = None) -> Request:
+                    origin: str | None = None, fork_of: str | None = None,
+                    client_id: str | None = None) -> Request:
         ids = self.tokenize(prompt)
         if not ids:
             raise RequestTooLargeError("the prompt is empty")
@@ -223,7 +224,8 @@ class LLMEngine:
             # not the same prompt under the same weights, or its prompt's logits are wanted
             parent = None
         req = Request(request_id, ids, params, adapter_uid=uid, lora_name=lora_name,
-                      generator=gen, origin=origin, cache_namespace=namespace,
+                      generator=gen, origin=origin, client_id=client_id,
+                      cache_namespace=namespace,
                       fork_parent=parent)
         if uid is not None:  # the version it is bound to, for its outputs
             req.adapter_version = self.store.entries[uid].version
@@ -282,7 +284,7 @@ class LLMEngine:
         match cmd:
             case M.AddRequest():
                 return self.add_request(cmd.prompt, cmd.params, cmd.lora_name, cmd.request_id,
-                                        cmd.origin, cmd.fork_of)
+                                        cmd.origin, cmd.fork_of, cmd.client_id)
             case M.AbortRequest():
                 return self.abort(cmd.request_id)
             case M.CheckAdapterLoad():
