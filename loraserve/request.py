@@ -27,6 +27,7 @@ class Request:
         origin: str | None = None,
         cache_namespace: bytes = b"",
         fork_parent: Request | None = None,
+        client_id: str | None = None,
     ):
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
@@ -37,6 +38,9 @@ class Request:
         self.lora_name = lora_name  # for outputs and logs only, never for lookups
         self.generator = generator  # its own RNG (a torch.Generator) when a seed was given
         self.origin = origin  # the client request it came from (its n x prompts share one)
+        # who sent it, for fairness between clients: the API key's tenant, else the
+        # connection's address (None: the offline API)
+        self.client_id = client_id
         # Prefix cache: the namespace of its K/V (the weights they are computed under), the
         # hash chain of its full blocks, and how many of its blocks are indexed.
         self.cache_namespace = cache_namespace

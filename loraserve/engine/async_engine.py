@@ -102,14 +102,15 @@ class AsyncEngine:
     async def add_request(self, prompt: M.Prompt, params: SamplingParams,
                           lora_name: str | None = None, request_id: str | None = None,
                           origin: str | None = None,
-                          fork_of: str | None = None) -> RequestStream:
+                          fork_of: str | None = None,
+                          client_id: str | None = None) -> RequestStream:
         """Queue a request; raises what `engine.add_request` raised (LoraServeError: 4xx).
         `fork_of`: an earlier request with the same prompt and adapter (n > 1) whose
         computed prompt this one shares instead of computing it again."""
         rid = request_id or f"req-{uuid.uuid4().hex}"
         q: asyncio.Queue = asyncio.Queue()
         stream = RequestStream(self, rid, q)
-        cmd = M.AddRequest(rid, prompt, params, lora_name, origin, fork_of)
+        cmd = M.AddRequest(rid, prompt, params, lora_name, origin, fork_of, client_id)
         self._cmds.put(_Envelope(cmd, asyncio.get_running_loop(), q))
         try:
             first = await q.get()

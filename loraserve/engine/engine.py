@@ -202,7 +202,8 @@ class LLMEngine:
 
     def add_request(self, prompt: M.Prompt, params: SamplingParams,
                     lora_name: str | None = None, request_id: str | None = None,
-                    origin: str | None = None, fork_of: str | None = None) -> Request:
+                    origin: str | None = None, fork_of: str | None = None,
+                    client_id: str | None = None) -> Request:
         ids = self.tokenize(prompt)
         if not ids:
             raise RequestTooLargeError("the prompt is empty")
@@ -233,7 +234,7 @@ class LLMEngine:
             parent = None  # not the same prompt under the same weights: nothing to share
         req = Request(request_id, ids, params, adapter_uid=uid, lora_name=lora_name,
                       generator=gen, origin=origin, cache_namespace=namespace,
-                      fork_parent=parent)
+                      fork_parent=parent, client_id=client_id)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -284,7 +285,7 @@ class LLMEngine:
         match cmd:
             case M.AddRequest():
                 return self.add_request(cmd.prompt, cmd.params, cmd.lora_name, cmd.request_id,
-                                        cmd.origin, cmd.fork_of)
+                                        cmd.origin, cmd.fork_of, cmd.client_id)
             case M.AbortRequest():
                 return self.abort(cmd.request_id)
             case M.CheckAdapterLoad():

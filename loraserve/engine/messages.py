@@ -23,6 +23,7 @@ class AddRequest:
     lora_name: str | None = None
     origin: str | None = None  # sequences of one client request share it (fair admission)
     fork_of: str | None = None  # n > 1: the sibling whose computed prompt this one shares
+    client_id: str | None = None  # the client identity used for fairness (see Request)
 
 
 @dataclass(frozen=True)

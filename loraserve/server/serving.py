@@ -55,6 +55,11 @@ async def chat_completions(ctx: ServerContext, request: Request) -> Response:
 # --- validation -------------------------------------------------------------------------------
 
 
+def client_of(request: Request) -> str | None:
+    """The client identity for fairness between clients: the connection's address."""
+    return request.client.host if request.client else None
+
+
 def _check_n(ctx: ServerContext, n: int) -> None:
     if n > ctx.settings.max_n:
         raise ApiError(400, f"n={n} is over this server's limit of {ctx.settings.max_n} "
@@ -108,7 +113,7 @@ def _nth_seed(seed: int, j: int) -> int:
 
 
 async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: SamplingParams,
-                  lora: str | None) -> list[RequestStream]:
+                  lora: str | None, client_id: str | None) -> list[RequestStream]:
     """Admit prompts x n sequences, all or none. Choice index = prompt * n + j."""
     base_id = P.new_id("cmpl")
     jobs = []
@@ -119,7 +124,8 @@ async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: Samplin
             # choice 0 computes the prompt; the others fork from its K/V (copy-on-write)
             jobs.append(ctx.aengine.add_request(prompt, sp, lora, f"{base_id}-{i}-{j}",
                                                 origin=base_id,
-                                                fork_of=f"{base_id}-{i}-0" if j else None))
+                                                fork_of=f"{base_id}-{i}-0" if j else None,
+                                                client_id=client_id))
     results = await asyncio.gather(*jobs, return_exceptions=True)
     streams = [r for r in results if isinstance(r, RequestStream)]
     errors = [r for r in results if not isinstance(r, RequestStream)]
@@ -133,7 +139,7 @@ async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: Samplin
 
 
 async def _serve(ctx: ServerContext, request: Request, req, ids, params, lora, chat: bool):
-    streams = await _submit(ctx, req, ids, params, lora)
+    streams = await _submit(ctx, req, ids, params, lora, client_of(request))
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     model = req.model or ctx.model_name
     prompt_tokens = sum(map(len, ids))
