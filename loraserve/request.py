@@ -12,6 +12,7 @@ from loraserve.types import FinishReason, SamplingParams
 class RequestStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PAUSED = "paused"  # its client does not read its stream: out of scheduling, no KV
     FINISHED = "finished"
 
 
@@ -65,6 +66,7 @@ class Request:
         self.error: str | None = None
         self.error_status: int | None = None  # 4xx: the adapter it named; 500: our bug
         self.num_preemptions = 0
+        self.paused_at: float | None = None  # monotonic time it was paused
         self.blocked_steps = 0  # steps spent waiting behind the adapter cap (starvation guard)
         self.text = ""  # detokenized output (maintained by the output processor)
         self.holdback = 0  # trailing chars of `text` that may start a stop string: not streamed

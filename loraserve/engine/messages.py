@@ -32,6 +32,20 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
+class PauseRequest:
+    """Its client does not read its stream: take it out of the batch until resumed."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class ResumeRequest:
+    """Its client read: schedule it again."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
 class CheckAdapterLoad:
     """Validate a load before any disk I/O. Reply: True when it is a no-op (already loaded
     from that path; at most it pins the adapter)."""
@@ -75,8 +89,8 @@ class AbortAll:
     error_status: int = 503
 
 
-EngineCommand = AddRequest | AbortRequest | CheckAdapterLoad | LoadAdapter | UnloadAdapter | \
-    GetSnapshot | AbortAll | CheckInvariants
+EngineCommand = AddRequest | AbortRequest | PauseRequest | ResumeRequest | CheckAdapterLoad | \
+    LoadAdapter | UnloadAdapter | GetSnapshot | AbortAll | CheckInvariants
 
 
 @dataclass(frozen=True)
@@ -107,6 +121,7 @@ class EngineSnapshot:
     base_prefix_queries: int = 0  # prompt tokens of base-model requests (see AdapterStats)
     base_prefix_hits: int = 0
     kv_blocks_cached: int = 0  # full blocks indexed by the prefix cache (held or free)
+    paused: int = 0  # requests whose client does not read their stream
 
     @property
     def kv_usage(self) -> float:

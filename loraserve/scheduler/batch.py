@@ -21,6 +21,7 @@ class ScheduledBatch:
     # partial prompt block (the full ones are shared)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)  # from the waiting queue this step
+    num_decodes: int = 0  # entries that are decodes (the first ones); the rest is prefill
 
     @property
     def num_tokens(self) -> int:
