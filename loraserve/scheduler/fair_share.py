@@ -44,8 +44,10 @@ class VirtualTokenCounter:
             active = [self.counter(c) for c, n in self.live.items() if n > 0]
             if active:
                 self.counters[client] = max(self.counter(client), min(active))
+            self.live[client] += 1
             self._forget_idle()
-        self.live[client] += 1
+        else:
+            self.live[client] += 1
 
     def leave(self, req: Request) -> None:
         """A request ended."""
