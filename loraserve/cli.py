@@ -158,6 +158,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from loraserve.engine.engine import LLMEngine
     from loraserve.paths import describe_os_error
     from loraserve.server.app import create_app
+    from loraserve.server.send_buffer import bounded_h11_protocol
     from loraserve.server.shutdown import GracefulServer
     from loraserve.types import LoraServeError
 
@@ -176,7 +177,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
              engine.info.model_name, engine.info.model_path, engine.store.num_registered,
              engine.info.lora_backend, "on" if settings.runtime_lora_updates else "off")
     app = create_app(AsyncEngine(engine), settings)
-    config = uvicorn.Config(app, host=args.host, port=args.port, http="h11",
+    http = bounded_h11_protocol(args.send_buffer_bytes) if args.send_buffer_bytes > 0 else "h11"
+    config = uvicorn.Config(app, host=args.host, port=args.port, http=http,
                             log_level=args.log_level,
                             h11_max_incomplete_event_size=H11_MAX_EVENT_BYTES)
     GracefulServer(config, app.state.ctx, args.shutdown_timeout).run()

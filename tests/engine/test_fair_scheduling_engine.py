@@ -89,9 +89,11 @@ def test_unread_stream_pauses_its_request_and_reading_resumes_it(tiny_model_dir)
         steps = (await ae.snapshot()).num_steps
         await asyncio.sleep(0.2)
         assert (await ae.snapshot()).num_steps == steps  # and it costs no step
-        out = None
+        outs = []
         async for out in stream:  # reading resumes it, as often as it fills up
+            outs.append(out)
             await asyncio.sleep(0.02)
+        out = outs[-1]
         assert out.token_ids == want and out.finish_reason is FinishReason.LENGTH
         assert (await ae.check_invariants()).ok
 
