@@ -120,6 +120,13 @@ class Admission:
         self.origin_tokens[origin] += footprint(req)
         return Decision.ADMIT, n
 
+    def release(self, req: Request) -> None:
+        """A running request left the batch (preempted to make room): its seat is free."""
+        origin = self.share_key(req)
+        self.num_seqs -= 1
+        self.origin_seqs[origin] -= 1
+        self.origin_tokens[origin] -= footprint(req)
+
     def _over_share(self, req: Request) -> bool:
         origin = self.share_key(req)
         others_wait = sum(self.waiting_origins.values()) > self.waiting_origins[origin]

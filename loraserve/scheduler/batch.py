@@ -36,7 +36,11 @@ class ScheduledBatch:
         self.entries.append(ScheduledSeq(req, num_tokens))
 
     def drop(self, req: Request) -> None:
-        self.entries = [e for e in self.entries if e.request is not req]
+        kept = [e for e in self.entries if e.request is not req]
+        if len(kept) < len(self.entries) and any(
+                e.request is req for e in self.entries[:self.num_decodes]):
+            self.num_decodes -= 1
+        self.entries = kept
 
     def __bool__(self) -> bool:
         return bool(self.entries)

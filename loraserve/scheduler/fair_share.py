@@ -10,7 +10,9 @@ newcomer is never behind the ones already served. A client with many sequences t
 share of the prefill budget and of the seats, not the machine.
 
 Within one client, the request served least goes first (fewest tokens computed, then the
-earliest): a short request is not held behind its own client's long prompt.
+earliest): a short request is not held behind its own client's long prompt. When every seat
+is taken, a client below an equal share of them takes one from the most served client above
+its share (`seat_victim`).
 """
 
 from __future__ import annotations
@@ -73,6 +75,24 @@ class VirtualTokenCounter:
         low = min(active)
         for c in [c for c, v in self.counters.items() if c not in self.live and v <= low]:
             del self.counters[c]
+
+    def seat_victim(self, req: Request, running: list[Request], waiting: Iterable[Request],
+                    max_seats: int) -> Request | None:
+        """Every seat is taken and `req`'s client holds less than an equal share of them
+        (max_seats / clients with requests running or waiting): the seat it should get, the
+        last admitted request of the most served client above its share, if that client was
+        served more. Without this, a client that filled the seats while the others were idle
+        would keep them for as long as its sequences decode. A pure query."""
+        seats = Counter(client_key(r) for r in running)
+        share = max_seats / len(set(seats) | {client_key(r) for r in waiting})
+        mine = client_key(req)
+        if seats[mine] + 1 > share:
+            return None
+        over = [c for c, n in seats.items() if n > share and self.counter(c) > self.counter(mine)]
+        if not over:
+            return None
+        most = max(over, key=self.counter)
+        return next(r for r in reversed(running) if client_key(r) == most)
 
     def order(self, candidates: Iterable[Request]) -> Iterator[Request]:
         """The candidates, lowest-counter client first, re-ranked after each one is taken

@@ -225,7 +225,7 @@ class Scheduler:
                 key=lambda i: (counter(client_key(self.running[i])), i))
         return self.running[i]
 
-    def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
+    def _preempt(self, req: Request, batch: ScheduledBatch, for_kv: bool = True) -> None:
         # Recompute: drop its K/V; it rejoins the head of the queue with prompt + output so far.
         self.running.remove(req)
         self.kv.free(req)
@@ -233,15 +233,28 @@ class Scheduler:
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
-        batch.preempted.append(req)
+        if for_kv:  # the pool is full: nobody is admitted this step
+            batch.preempted.append(req)
         batch.drop(req)
+
+    def _make_seat(self, req: Request, batch: ScheduledBatch, admission: Admission) -> bool:
+        """Every seat is taken: free one for `req` if its client is owed it (fair_share.py)."""
+        if admission.starving or admission.num_seqs < self.config.max_num_seqs:
+            return False
+        victim = self.vtc.seat_victim(req, self.running, self.waiting, self.config.max_num_seqs)
+        if victim is None:
+            return False
+        self._preempt(victim, batch, for_kv=False)  # recomputed later, from the prefix cache
+        admission.release(victim)
+        return True
 
     def _schedule_prefills(self, batch: ScheduledBatch, admission: Admission,
                            prefilling: list[Request]) -> None:
         """Running prompts' next chunks and waiting requests' admission, in fair order (FCFS,
         running chunks first, when fair scheduling is off). No admission in a step that had to
         preempt: the pool is full."""
-        if self.config.fair_scheduling:
+        fair = self.config.fair_scheduling
+        if fair:
             order = self.vtc.order([*prefilling, *self.waiting])
         else:
             order = iter([*prefilling, *self.waiting])
@@ -256,6 +269,8 @@ class Scheduler:
                     self.vtc.charge(req, prefill_tokens=n)
             elif admitting and req.status is RequestStatus.WAITING and not batch.preempted:
                 decision, n = admission.try_add(req)
+                if decision is Decision.STOP and fair and self._make_seat(req, batch, admission):
+                    decision, n = admission.try_add(req)
                 if decision is Decision.STOP:
                     admitting = False  # running prompts may still take their chunks
                 elif decision is Decision.OVER_SHARE:

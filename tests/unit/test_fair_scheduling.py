@@ -211,3 +211,34 @@ def test_stalled_and_finished_paused_requests():
     assert "a" not in s.paused and not s.check()
     s.finish(b, FinishReason.ERROR, "stalled", 408)
     assert not s.paused and not s.vtc.live and s.kv.pool.num_free == s.kv.pool.num_blocks
+
+
+def test_a_client_below_its_share_takes_a_seat_from_the_most_served():
+    # "a" took all 4 seats while alone, with long decodes ahead; "b" arrives: it gets a seat
+    # at the next step (a's last admitted is recomputed later), not when a's sequences end.
+    s = make(kv_tokens=4096, max_num_seqs=4)
+    a = [creq(f"a{i}", 6, "a", max_tokens=50, origin=f"a{i}") for i in range(4)]
+    for r in a:
+        s.add(r)
+    step(s)
+    step(s)
+    b = creq("b", 6, "b", max_tokens=3)
+    s.add(b)
+    batch = step(s)
+    assert b in batch.admitted and a[3].status is RequestStatus.WAITING
+    assert batch.num_decodes == 3 and not batch.preempted and not s.check()
+    # b's share is 2 of 4 seats: b2 takes a third seat from a, b3 waits for a free one
+    b2, b3 = creq("b2", 6, "b", max_tokens=3), creq("b3", 6, "b", max_tokens=3)
+    s.add(b2)
+    s.add(b3)
+    batch = step(s)
+    assert b2 in batch.admitted and b3 not in batch.admitted
+    assert sum(r.client_id == "b" for r in s.running) == 2
+    run(s, limit=1000)
+    assert all(r.num_output_tokens == 50 for r in a)
+    off = make(kv_tokens=4096, max_num_seqs=4, fair_scheduling=False)
+    for r in [creq(f"a{i}", 6, "a", max_tokens=50, origin=f"a{i}") for i in range(4)]:
+        off.add(r)
+    step(off)
+    off.add(b := creq("b", 6, "b", max_tokens=3))
+    assert b not in step(off).admitted  # first come, first served: b waits for a's end
