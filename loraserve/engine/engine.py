@@ -123,7 +123,8 @@ class LLMEngine:
             start = time.perf_counter()
             output, broken = self._execute(batch, store.bind(batch.adapter_uids))
             if not broken:  # what steps cost sizes the next steps' prefill budget
-                sched.pace.observe(batch.num_tokens, time.perf_counter() - start)
+                sched.pace.observe(batch.num_decodes, batch.num_tokens - batch.num_decodes,
+                                   time.perf_counter() - start)
             ended += broken
             sampled = sched.update_from_output(batch, output)
             for req in self.output_processor.process(sampled):  # ended by a stop string

@@ -1,24 +1,26 @@
-"""The prefill token budget of one step, adapted to measured step costs (Sarathi-Serve's
-stall-free batching, with the budget derived from what steps cost on this machine).
+"""The prefill token budget of one step, steered by measured step times (Sarathi-Serve's
+stall-free batching, with the budget found by feedback instead of fixed in advance).
 
-A step costs about `fixed + per_token * tokens`: `fixed` is what every step pays whatever its
-size (reading the weights, launching kernels, Python), `per_token` what each row adds. Both
-are fitted online, by least squares over recent steps with exponential forgetting, from the
-times the engine reports (`observe`). A decode-only step of D sequences then costs
-`fixed + per_token * D`, and a step that also carries P prefill tokens stays within `factor`
-times that when
+The goal: a step that carries prefill tokens beside D decodes takes at most `factor` times a
+decode-only step of those decodes. Both times are measured as the engine runs (`observe`):
+  - decode-only steps give the reference, an exponential average of their times. While
+    prompts keep every step busy, one step in `probe_every` is left decode-only on purpose
+    (`prefill_budget` answers 0), so the reference follows the current batch and load;
+  - each step with prefill gives the ratio of its time to the reference, and the budget is
+    scaled by (factor / ratio), damped and bounded (halved at most, grown by at most 1.4x,
+    per step): over it shrinks, under it grows, only when the budget was what limited the
+    step (a few prompt tokens under budget say nothing about a larger budget).
+The budget stays within [min_chunk, max_tokens]: a long prompt always progresses. Before the
+first step is measured nothing caps it (the engine measures every step; model-free callers
+schedule as if uncapped); from then on it starts at `initial` until the loop moves it.
 
-    P <= (factor - 1) * (fixed / per_token + D)
-
-which is the budget `prefill_budget` returns (within [min_chunk, max_tokens]). With nothing
-decoding, D counts as one: a request that arrives mid-prefill waits at most one such step.
-
-Why measured rather than a fixed token count: the same chunk costs about as much as a decode
-step on a GPU and a hundred decode steps on a small CPU, and a chunk deep in a long prompt
-costs more than the first (attention over everything before it); forgetting follows both.
-Before the first step nothing caps the budget; until two step sizes have been seen, `fixed`
-cannot be told apart from `per_token`, and the budget assumes `fixed` is zero, the smallest
-(safest) estimate.
+Why feedback on measured times rather than a token count fixed in advance or derived from a
+fitted cost model: the same chunk costs about one decode step on a GPU and a hundred on a
+small CPU, a chunk deep in a long prompt costs more than the first (attention over everything
+before it), and on a shared host every step slows with the other processes. A ratio of two
+times measured close together is immune to the last, and the loop follows the first two; a
+fitted intercept is not (a noisy intercept once claimed seconds of fixed cost per step and
+opened the budget to a whole long prompt).
 """
 
 from __future__ import annotations
@@ -26,49 +28,43 @@ from __future__ import annotations
 
 class StepPace:
     def __init__(self, factor: float, max_tokens: int, min_chunk: int = 16,
-                 forget: float = 0.8):
+                 initial: int = 256, probe_every: int = 8, smoothing: float = 0.3):
         self.factor = factor  # 0: no cap, every step may take max_tokens
         self.max_tokens = max_tokens
         self.min_chunk = min(min_chunk, max_tokens)
-        self.forget = forget  # weight of the past at each observation
-        self.weight = 0.0  # exponentially weighted sums over steps: 1, T, t, T^2, T*t
-        self.sum_t = self.sum_s = self.sum_tt = self.sum_ts = 0.0
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        """A step of `num_tokens` tokens (decodes + prefill) took `seconds`."""
-        if num_tokens <= 0 or seconds <= 0:
-            return
-        f, t = self.forget, float(num_tokens)
-        self.weight = f * self.weight + 1.0
-        self.sum_t = f * self.sum_t + t
-        self.sum_s = f * self.sum_s + seconds
-        self.sum_tt = f * self.sum_tt + t * t
-        self.sum_ts = f * self.sum_ts + t * seconds
-
-    def cost(self) -> tuple[float, float] | None:
-        """(fixed, per_token) seconds, or None before any step was seen."""
-        w = self.weight
-        if w == 0.0:
-            return None
-        mean_t, mean_s = self.sum_t / w, self.sum_s / w
-        var = self.sum_tt / w - mean_t * mean_t
-        cov = self.sum_ts / w - mean_t * mean_s
-        # sizes barely differ: the slope is noise; put the whole cost on the tokens
-        if var <= (0.05 * mean_t) ** 2 or cov <= 0.0:
-            return 0.0, mean_s / mean_t
-        per_token = cov / var
-        fixed = mean_s - per_token * mean_t
-        if fixed < 0.0:  # a negative intercept is noise too: fall back to the ratio
-            return 0.0, mean_s / mean_t
-        return fixed, per_token
+        self.budget = float(max(self.min_chunk, min(initial, max_tokens)))
+        self.probe_every = probe_every
+        self.smoothing = smoothing  # weight of the newest decode-only time in the average
+        self.decode_s: float | None = None  # reference: a decode-only step's time
+        self.steps_since_reference = 0
+        self.observed = False
 
     def prefill_budget(self, num_decodes: int) -> int:
-        """Prefill tokens this step may carry beside `num_decodes` decodes."""
-        if self.factor <= 0.0:
+        """Prefill tokens this step may carry beside `num_decodes` decodes (0: this step
+        measures the decodes alone)."""
+        if self.factor <= 0.0 or not self.observed:  # nothing measured yet: no cap
             return self.max_tokens
-        cost = self.cost()
-        if cost is None:  # nothing measured yet
-            return self.max_tokens
-        fixed, per_token = cost
-        budget = (self.factor - 1.0) * (fixed / per_token + max(num_decodes, 1))
-        return int(max(self.min_chunk, min(self.max_tokens, budget)))
+        if num_decodes > 0 and (self.decode_s is None
+                                or self.steps_since_reference >= self.probe_every):
+            return 0
+        return int(self.budget)
+
+    def observe(self, num_decodes: int, num_prefill: int, seconds: float) -> None:
+        """A step of `num_decodes` decodes and `num_prefill` prefill tokens took `seconds`."""
+        if seconds <= 0.0 or self.factor <= 0.0:
+            return
+        self.observed = True
+        if num_prefill == 0:
+            if num_decodes > 0:
+                a = self.smoothing if self.decode_s is not None else 1.0
+                self.decode_s = (1 - a) * (self.decode_s or 0.0) + a * seconds
+                self.steps_since_reference = 0
+            return
+        self.steps_since_reference += 1
+        if self.decode_s is None:
+            return
+        ratio = seconds / self.decode_s
+        if ratio <= self.factor and num_prefill < 0.9 * self.budget:
+            return  # the budget did not bind: no evidence that more would fit
+        scale = min(2.0, max(0.25, self.factor / ratio)) ** 0.5
+        self.budget = max(self.min_chunk, min(self.max_tokens, self.budget * scale))

@@ -5,7 +5,6 @@ whose client does not read (Scheduler.pause / resume / stalled)."""
 
 from __future__ import annotations
 
-import pytest
 from test_scheduler import fake_model, make, run, step
 
 from loraserve.request import Request, RequestStatus
@@ -26,46 +25,65 @@ def ids(batch) -> list[str]:
 # ---- the prefill budget -----------------------------------------------------------------------
 
 
-def test_step_pace_fits_fixed_and_per_token_costs():
-    pace = StepPace(factor=3.0, max_tokens=2048, min_chunk=16)
-    assert pace.prefill_budget(4) == 2048  # nothing measured: no cap
-    for tokens in (1, 200, 5, 64, 1, 300, 17):
-        pace.observe(tokens, 0.010 + 0.0005 * tokens)  # 10 ms a step + 0.5 ms a token
-    fixed, per_token = pace.cost()
-    assert fixed == pytest.approx(0.010, rel=1e-6) and per_token == pytest.approx(0.0005)
-    # a step of P prefill tokens beside D decodes costs at most 3x the decode-only step
-    for d in (1, 8, 40):
-        p = pace.prefill_budget(d)
-        assert p == int(2 * (20 + d))
-        assert fixed + per_token * (d + p) <= 3.0 * (fixed + per_token * d) + 1e-12
-    assert pace.prefill_budget(0) == pace.prefill_budget(1)  # a newcomer counts as a decode
-    assert pace.prefill_budget(5000) == 2048
+def test_step_pace_probes_the_decodes_then_steers_the_budget_to_the_factor():
+    pace = StepPace(factor=3.0, max_tokens=2048, min_chunk=16, initial=256, probe_every=8)
+    assert pace.prefill_budget(4) == 2048  # nothing measured yet: no cap
+    pace.observe(0, 300, 0.5)  # a prefill-only step: no reference to judge it by
+    assert pace.prefill_budget(0) == 256  # nobody decodes: nothing to measure against
+    assert pace.prefill_budget(4) == 0  # decodes, no reference yet: measure them alone
+    pace.observe(4, 0, 0.020)  # 20 ms a decode-only step
+
+    def step_time(prefill):  # 20 ms + 1 ms a prefill token: the factor is met at 40 tokens
+        return 0.020 + 0.001 * prefill
+
+    for _ in range(7):
+        p = pace.prefill_budget(4)
+        assert p > 0
+        pace.observe(4, p, step_time(p))
+    for _ in range(40):
+        p = pace.prefill_budget(4)
+        pace.observe(4, p, step_time(p)) if p else pace.observe(4, 0, step_time(0))
+    assert 25 <= pace.budget <= 60  # about (3 - 1) x 20 ms / 1 ms = 40
+    probes = 0
+    for _ in range(32):  # a decode-only step now and then keeps the reference fresh
+        p = pace.prefill_budget(4)
+        probes += p == 0
+        pace.observe(4, p, step_time(p))
+    assert 3 <= probes <= 4
 
 
-def test_step_pace_is_safe_before_it_can_separate_the_costs_and_can_be_off():
-    pace = StepPace(factor=3.0, max_tokens=512, min_chunk=16)
-    for _ in range(5):
-        pace.observe(1, 0.02)  # decode-only steps of one size: the fixed cost is unknown
-    assert pace.cost() == (0.0, 0.02) and pace.prefill_budget(1) == 16  # the floor
+def test_step_pace_ignores_steps_the_budget_did_not_bind_and_can_be_off():
+    pace = StepPace(factor=3.0, max_tokens=512, initial=256)
+    pace.observe(2, 0, 0.010)
+    pace.observe(2, 10, 0.012)  # a short prompt, far under budget and under the factor
+    assert pace.budget == 256
+    pace.observe(2, 10, 0.200)  # far over the factor, whatever bound it: shrink
+    assert pace.budget == 128
+    for _ in range(20):
+        pace.observe(2, 500, 60.0)
+    assert pace.budget == 16  # never below the floor: long prompts progress
     off = StepPace(factor=0.0, max_tokens=512)
-    off.observe(1, 0.02)
+    off.observe(1, 100, 5.0)
     assert off.prefill_budget(1) == 512
 
 
-def test_step_pace_follows_costs_that_change():
-    pace = StepPace(factor=2.0, max_tokens=4096, min_chunk=1)
-    for i in range(40):
-        pace.observe(1 + 50 * (i % 3), 0.010 + 0.001 * (1 + 50 * (i % 3)))
-    cheap = pace.prefill_budget(1)
-    for i in range(40):  # tokens got four times dearer (deep in a long prompt)
-        pace.observe(1 + 50 * (i % 3), 0.010 + 0.004 * (1 + 50 * (i % 3)))
-    assert pace.prefill_budget(1) < cheap / 2
+def test_step_pace_follows_a_slower_host_without_opening_the_budget():
+    # every step 20x slower (other processes on the host): the budget never opens; once the
+    # reference has followed (both ways), it is where it was
+    pace = StepPace(factor=3.0, max_tokens=2048, initial=40)
+    pace.observe(4, 0, 0.020)
+    for slow in (1.0, 20.0, 1.0):
+        for _ in range(120):
+            p = pace.prefill_budget(4)
+            pace.observe(4, p, slow * (0.020 + 0.001 * p))
+            assert p <= 60 or slow == 1.0
+        assert 25 <= pace.budget <= 60
 
 
 def test_long_prompt_is_chunked_to_the_pace_while_others_decode():
     s = make(kv_tokens=4096, max_num_batched_tokens=2048)
-    for tokens in (1, 40, 3, 100):
-        s.pace.observe(tokens, 0.010 + 0.001 * tokens)  # fixed = 10 tokens' worth
+    s.pace.observe(1, 0, 0.010)
+    s.pace.budget, s.pace.probe_every = 21, 10**6  # no decode-only probes in this test
     short = creq("short", 6, "b", max_tokens=8)
     s.add(short)
     step(s)
@@ -75,8 +93,8 @@ def test_long_prompt_is_chunked_to_the_pace_while_others_decode():
     while not short.is_finished:
         batch = step(s)
         sizes.append(dict((r.request_id, n) for r, n in batch.entries).get("long", 0))
-        assert batch.num_tokens <= 1 + 2 * (10 + 1)  # one decode + the paced prefill
-    assert sizes and max(sizes) == 2 * (10 + 1) - 1
+        assert batch.num_tokens <= 1 + 21  # one decode + the paced prefill
+    assert sizes and max(sizes) == 21
     run(s)
     assert long.is_finished and long.num_output_tokens == 2
 

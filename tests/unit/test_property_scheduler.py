@@ -132,9 +132,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self):
         self.eng.step()
 
-    @rule(tokens=st.integers(1, 40), ms=st.integers(1, 50))
-    def measured_step(self, tokens, ms):
-        self.eng.scheduler.pace.observe(tokens, ms / 1000)
+    @rule(decodes=st.integers(0, 5), prefill=st.integers(0, 40), ms=st.integers(1, 50))
+    def measured_step(self, decodes, prefill, ms):
+        self.eng.scheduler.pace.observe(decodes, prefill, ms / 1000)
 
     @precondition(lambda self: self.eng.requests)
     @rule(i=st.integers(0, 50), resume=st.booleans())
