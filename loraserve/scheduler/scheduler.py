@@ -197,7 +197,8 @@ class Scheduler:
         batch.num_decodes = len(batch.entries)
         for req, _ in batch.entries:
             self.vtc.charge(req, decode_tokens=1)
-        prefill_budget = min(budget, self.pace.prefill_budget(batch.num_decodes))
+        prefill_budget = min(budget, self.pace.prefill_budget(batch.num_decodes,
+                                                              bool(prefilling)))
         admission = Admission(self.config, self.kv, self.adapters, self.running, prefill_budget,
                               list(self.waiting), self.share_key)
         self._schedule_prefills(batch, admission, prefilling)

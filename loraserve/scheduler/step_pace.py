@@ -3,9 +3,9 @@ stall-free batching, with the budget found by feedback instead of fixed in advan
 
 The goal: a step that carries prefill tokens beside D decodes takes at most `factor` times a
 decode-only step of those decodes. Both times are measured as the engine runs (`observe`):
-  - decode-only steps give the reference, an exponential average of their times. While
-    prompts keep every step busy, one step in `probe_every` is left decode-only on purpose
-    (`prefill_budget` answers 0), so the reference follows the current batch and load;
+  - decode-only steps give the reference, an exponential average of their times. While a
+    long prompt keeps every step busy, one step in `probe_every` is left decode-only on
+    purpose (`prefill_budget` answers 0), so the reference follows the current batch and load;
   - each step with prefill gives the ratio of its time to the reference, and the budget is
     scaled by (factor / ratio), damped and bounded (halved at most, grown by at most 1.4x,
     per step): over it shrinks, under it grows, only when the budget was what limited the
@@ -39,13 +39,14 @@ class StepPace:
         self.steps_since_reference = 0
         self.observed = False
 
-    def prefill_budget(self, num_decodes: int) -> int:
-        """Prefill tokens this step may carry beside `num_decodes` decodes (0: this step
-        measures the decodes alone)."""
+    def prefill_budget(self, num_decodes: int, long_prefill: bool = False) -> int:
+        """Prefill tokens this step may carry beside `num_decodes` decodes. `long_prefill`: a
+        prompt is being prefilled over several steps, so decode-only steps do not come by
+        themselves; then one in `probe_every` is one (the answer is 0)."""
         if self.factor <= 0.0 or not self.observed:  # nothing measured yet: no cap
             return self.max_tokens
-        if num_decodes > 0 and (self.decode_s is None
-                                or self.steps_since_reference >= self.probe_every):
+        if num_decodes > 0 and long_prefill and (
+                self.decode_s is None or self.steps_since_reference >= self.probe_every):
             return 0
         return int(self.budget)
 

@@ -29,24 +29,25 @@ def test_step_pace_probes_the_decodes_then_steers_the_budget_to_the_factor():
     pace = StepPace(factor=3.0, max_tokens=2048, min_chunk=16, initial=256, probe_every=8)
     assert pace.prefill_budget(4) == 2048  # nothing measured yet: no cap
     pace.observe(0, 300, 0.5)  # a prefill-only step: no reference to judge it by
-    assert pace.prefill_budget(0) == 256  # nobody decodes: nothing to measure against
-    assert pace.prefill_budget(4) == 0  # decodes, no reference yet: measure them alone
+    assert pace.prefill_budget(0, True) == 256  # nobody decodes: nothing to measure against
+    assert pace.prefill_budget(4) == 256  # no long prompt: decode-only steps come by themselves
+    assert pace.prefill_budget(4, True) == 0  # a long prompt: measure the decodes alone
     pace.observe(4, 0, 0.020)  # 20 ms a decode-only step
 
     def step_time(prefill):  # 20 ms + 1 ms a prefill token: the factor is met at 40 tokens
         return 0.020 + 0.001 * prefill
 
     for _ in range(7):
-        p = pace.prefill_budget(4)
+        p = pace.prefill_budget(4, True)
         assert p > 0
         pace.observe(4, p, step_time(p))
     for _ in range(40):
-        p = pace.prefill_budget(4)
+        p = pace.prefill_budget(4, True)
         pace.observe(4, p, step_time(p)) if p else pace.observe(4, 0, step_time(0))
     assert 25 <= pace.budget <= 60  # about (3 - 1) x 20 ms / 1 ms = 40
     probes = 0
     for _ in range(32):  # a decode-only step now and then keeps the reference fresh
-        p = pace.prefill_budget(4)
+        p = pace.prefill_budget(4, True)
         probes += p == 0
         pace.observe(4, p, step_time(p))
     assert 3 <= probes <= 4
@@ -74,7 +75,7 @@ def test_step_pace_follows_a_slower_host_without_opening_the_budget():
     pace.observe(4, 0, 0.020)
     for slow in (1.0, 20.0, 1.0):
         for _ in range(120):
-            p = pace.prefill_budget(4)
+            p = pace.prefill_budget(4, True)
             pace.observe(4, p, slow * (0.020 + 0.001 * p))
             assert p <= 60 or slow == 1.0
         assert 25 <= pace.budget <= 60
