@@ -16,6 +16,7 @@ paced prefill budget and stream backpressure (the scheduler before them). Both u
 Target: well-behaved p99 <= 3x idle with fair scheduling on.
 
     .venv/bin/python benchmarks/tenancy.py [--duration 150] [--rounds 1] [--prompts 4]
+        [--max-num-seqs 16]
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 from common import Server, scratch_dir, write_result  # noqa: E402
 
-COMMON = ["--max-num-seqs", "16", "--send-buffer-bytes", "8192"]
+COMMON = ["--send-buffer-bytes", "8192"]
 CONFIGS = {
     "on": [],
     "off": ["--disable-fair-scheduling", "--decode-pace-factor", "0",
@@ -160,17 +161,21 @@ def main() -> None:
     ap.add_argument("--slow", type=int, default=24, help="slow-reading streams")
     ap.add_argument("--long-tokens", type=int, default=7000)
     ap.add_argument("--configs", default="on,off")
+    ap.add_argument("--max-num-seqs", type=int, default=16,
+                    help="the server's --max-num-seqs, both configurations (scaled to the host)")
     args = ap.parse_args()
     tmp = scratch_dir("tenancy")
     results: dict[str, list] = {}
     for r in range(args.rounds):
         for name in args.configs.split(","):
-            with Server(*COMMON, *CONFIGS[name], log_path=tmp / f"{name}-{r}.log") as srv:
+            flags = [*COMMON, "--max-num-seqs", str(args.max_num_seqs), *CONFIGS[name]]
+            with Server(*flags, log_path=tmp / f"{name}-{r}.log") as srv:
                 res = asyncio.run(run_config(srv.url, srv.port, args))
             results.setdefault(name, []).append(res)
             print(f"round {r} {name}: idle p50 {res['idle_p50_s']} s; loaded "
                   f"{json.dumps(res['loaded'])}; most at once {res['most_at_once']}", flush=True)
-    path = write_result("tenancy", {"args": vars(args), "server_flags": COMMON,
+    name = "tenancy" if args.max_num_seqs == 16 else f"tenancy-seqs{args.max_num_seqs}"
+    path = write_result(name, {"args": vars(args), "server_flags": COMMON,
                                     "configs": CONFIGS, "results": results})
     print(f"wrote {path}")
 
