@@ -18,9 +18,9 @@ Why feedback on measured times rather than a token count fixed in advance or der
 fitted cost model: the same chunk costs about one decode step on a GPU and a hundred on a
 small CPU, a chunk deep in a long prompt costs more than the first (attention over everything
 before it), and on a shared host every step slows with the other processes. A ratio of two
-times measured close together is immune to the last, and the loop follows the first two; a
-fitted intercept is not (a noisy intercept once claimed seconds of fixed cost per step and
-opened the budget to a whole long prompt).
+times measured close together is immune to the last, and the loop follows the first two. A
+fitted cost model (fixed + per-token) is not: its intercept absorbs the host's contention as
+"fixed cost", which opens the budget exactly when steps are slowest.
 """
 
 from __future__ import annotations
