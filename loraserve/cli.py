@@ -171,6 +171,7 @@ def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = No
 
     from loraserve.engine.async_engine import AsyncEngine
     from loraserve.server.app import create_app
+    from loraserve.server.send_buffer import bounded_h11_protocol
     from loraserve.server.shutdown import GracefulServer
 
     engine = _load_engine(args.model, config, adapters, log)
@@ -178,7 +179,8 @@ def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = No
              engine.info.model_name, engine.info.model_path, engine.store.num_registered,
              engine.info.lora_backend, "on" if settings.runtime_lora_updates else "off")
     app = create_app(AsyncEngine(engine), settings)
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, http="h11",
+    http = bounded_h11_protocol(args.send_buffer_bytes) if args.send_buffer_bytes > 0 else "h11"
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, http=http,
                                log_level=args.log_level,
                                h11_max_incomplete_event_size=H11_MAX_EVENT_BYTES)
 

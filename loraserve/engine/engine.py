@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -101,14 +102,18 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched, store = self.scheduler, self.store
         load_errors = store.prepare(sched.running_adapters(), sched.waiting_adapters())
-        ended = sched.fail_waiting(load_errors)
+        ended = sched.fail_waiting(load_errors) + self._end_stalled()
         batch = sched.schedule()
         self._count_prefix_hits(batch.admitted)
         sampled = []
         if batch:
             self.num_steps += 1
             self.runner.copy_blocks(batch.block_copies)  # forks' copies of a partial block
+            start = time.perf_counter()
             output, broken = self._execute(batch, store.bind(batch.adapter_uids))
+            if not broken:  # what steps cost sizes the next steps' prefill budget
+                sched.pace.observe(batch.num_decodes, batch.num_tokens - batch.num_decodes,
+                                   time.perf_counter() - start)
             ended += broken
             sampled = sched.update_from_output(batch, output)
             for req in self.output_processor.process(sampled):  # ended by a stop string
@@ -141,6 +146,32 @@ class LLMEngine:
                                       "internal error while computing this request", 500)
                 broken.append(seq.request)
         return StepOutput.concat(outputs), broken
+
+    def _end_stalled(self) -> list[Request]:
+        """End the paused requests whose client has not read for stalled_stream_timeout."""
+        timeout = self.config.stalled_stream_timeout
+        stalled = self.scheduler.stalled(timeout)
+        for req in stalled:
+            self.scheduler.finish(req, FinishReason.ERROR, f"the client did not read its stream "
+                                  f"for {timeout:g} s", error_status=408)
+        return stalled
+
+    def expire_stalled(self) -> list[RequestOutput]:
+        """Between steps, when nothing runs: the outputs of the requests `_end_stalled` ends."""
+        return [self._output(r) for r in self._end_stalled()]
+
+    def pause(self, request_id: str) -> bool:
+        """Its client does not read: out of the batch (seat and KV freed) until `resume`."""
+        req = self.requests.get(request_id)
+        return req is not None and self.scheduler.pause(req)
+
+    def resume(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        return req is not None and self.scheduler.resume(req)
+
+    @property
+    def has_paused(self) -> bool:
+        return bool(self.scheduler.paused)
 
     def _count_prefix_hits(self, admitted: list[Request]) -> None:
         """Prompt tokens asked of the prefix cache, and found, per adapter (first admission)."""
@@ -269,6 +300,7 @@ class LLMEngine:
         pool = self.kv.pool
         return M.EngineSnapshot(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            paused=len(self.scheduler.paused),
             kv_blocks_used=pool.num_used, kv_blocks_total=pool.num_blocks,
             num_steps=self.num_steps, adapters=self.store.snapshot(),
             model_name=self.info.model_name, base_prefix_queries=self.base_prefix.prefix_queries,
@@ -287,6 +319,10 @@ class LLMEngine:
                                         cmd.origin, cmd.fork_of, cmd.client_id)
             case M.AbortRequest():
                 return self.abort(cmd.request_id)
+            case M.PauseRequest():
+                return self.pause(cmd.request_id)
+            case M.ResumeRequest():
+                return self.resume(cmd.request_id)
             case M.CheckAdapterLoad():
                 return self.store.check_new(cmd.name, cmd.path, cmd.pinned, cmd.replace)
             case M.LoadAdapter():

@@ -101,7 +101,7 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
             "kv_blocks_used": snap.kv_blocks_used,
             "kv_blocks_free": snap.kv_blocks_total - snap.kv_blocks_used,
             "kv_blocks_total": snap.kv_blocks_total,
-            "running": snap.running, "waiting": snap.waiting,
+            "running": snap.running, "waiting": snap.waiting, "paused": snap.paused,
             "engine_errors": async_engine.errors,
             "adapters": [{"name": a.name, "uid": a.uid, "tier": a.tier, "pinned": a.pinned,
                           "refcount": a.refcount, "registered": a.registered,

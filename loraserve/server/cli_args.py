@@ -42,6 +42,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="on SIGINT/SIGTERM, how long requests in flight may take to finish "
                         "before they end with a 503 (new requests get a 503 at once)")
+    g.add_argument("--send-buffer-bytes", type=int, default=32 * 1024, metavar="BYTES",
+                   help="data buffered per connection for a client (in the server and in the "
+                        "socket, each): a client that does not read its stream is noticed "
+                        "after this much and its request leaves the batch "
+                        "(--max-unread-outputs); 0: the operating system's default")
     g.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"],
                    help="log level of the server and of loraserve's own loggers")

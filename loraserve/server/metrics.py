@@ -123,6 +123,8 @@ class _SnapshotCollector:
             return
         yield _gauge("loraserve_num_requests_running", "Requests running", snap.running)
         yield _gauge("loraserve_num_requests_waiting", "Requests waiting", snap.waiting)
+        yield _gauge("loraserve_num_requests_paused",
+                     "Requests paused: their client does not read their stream", snap.paused)
         yield _gauge("loraserve_kv_cache_usage_ratio", "Fraction of KV blocks in use",
                      snap.kv_usage)
         yield _gauge("loraserve_kv_cache_blocks_used", "KV blocks in use", snap.kv_blocks_used)

@@ -63,6 +63,14 @@ def _tenant(request: Request):
     return request.scope.get("state", {}).get("tenant")
 
 
+def client_of(request: Request) -> str | None:
+    """The client identity for fairness between clients: the API key's tenant, else the
+    connection's address."""
+    tenant = _tenant(request)
+    if tenant is not None:
+        return tenant.name
+    return request.client.host if request.client else None
+
 
 def _check_n(ctx: ServerContext, n: int) -> None:
     if n > ctx.settings.max_n:
@@ -153,8 +161,7 @@ async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: Samplin
 
 
 async def _serve(ctx: ServerContext, request: Request, req, ids, params, lora, chat: bool):
-    tenant = _tenant(request)
-    streams = await _submit(ctx, req, ids, params, lora, tenant.name if tenant else None)
+    streams = await _submit(ctx, req, ids, params, lora, client_of(request))
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     model = req.model or ctx.model_name
     if lora is not None:  # the version the answer comes from
