@@ -23,6 +23,7 @@ from loraserve.cluster.relay import relay, reply_response, to_http_request
 from loraserve.cluster.routing import routing_key
 from loraserve.cluster.spec import ENGINE_DEPLOYMENT, ClusterSpec
 from loraserve.server.auth import AuthMiddleware
+from loraserve.server.dashboard_routes import install_dashboard
 from loraserve.server.errors import install_error_handlers
 from loraserve.server.limits import BodyLimitMiddleware
 
@@ -131,6 +132,8 @@ def build_app(ing: Ingress) -> FastAPI:
         reports = {rid: json.loads(r.body) for rid, r in replies.items()}
         return JSONResponse({"ok": all(r.get("ok") for r in reports.values()),
                              "replicas": reports})
+
+    install_dashboard(app, settings)  # the same page; the ingress's routes answer its fetches
 
     @app.api_route("/{path:path}", methods=_ANY, include_in_schema=False)
     async def anything_else(request: Request) -> Response:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -265,12 +267,17 @@ class LLMEngine:
 
     def snapshot(self) -> M.EngineSnapshot:
         pool = self.kv.pool
+        sched = self.scheduler
+        waiting = Counter(r.adapter_uid for r in sched.waiting)
+        base_running = sum(1 for r in sched.running if r.adapter_uid is None)
         return M.EngineSnapshot(
-            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            running=len(sched.running), waiting=len(sched.waiting),
             kv_blocks_used=pool.num_used, kv_blocks_total=pool.num_blocks,
-            num_steps=self.num_steps, adapters=self.store.snapshot(),
+            num_steps=self.num_steps,
+            adapters=tuple(replace(a, waiting=waiting[a.uid]) for a in self.store.snapshot()),
             model_name=self.info.model_name, base_prefix_queries=self.base_prefix.prefix_queries,
-            base_prefix_hits=self.base_prefix.prefix_hits, kv_blocks_cached=pool.num_cached)
+            base_prefix_hits=self.base_prefix.prefix_hits, kv_blocks_cached=pool.num_cached,
+            base_waiting=waiting[None], base_in_flight=base_running + waiting[None])
 
     def check_invariants(self, awaited: tuple[str, ...] = ()) -> InvariantReport:
         """Every KV block, adapter refcount, slot and load accounted for (engine/invariants.py);

@@ -112,6 +112,8 @@ class EngineSnapshot:
     base_prefix_queries: int = 0  # prompt tokens of base-model requests (see AdapterStats)
     base_prefix_hits: int = 0
     kv_blocks_cached: int = 0  # full blocks indexed by the prefix cache (held or free)
+    base_in_flight: int = 0  # base-model requests running or waiting
+    base_waiting: int = 0
 
     @property
     def kv_usage(self) -> float:

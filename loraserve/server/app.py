@@ -15,6 +15,7 @@ from loraserve.engine.async_engine import AsyncEngine
 from loraserve.server import adapter_routes, serving
 from loraserve.server.auth import AuthMiddleware
 from loraserve.server.context import ServerContext
+from loraserve.server.dashboard_routes import install_dashboard
 from loraserve.server.errors import install_error_handlers
 from loraserve.server.limits import BodyLimitMiddleware
 from loraserve.server.openapi import openapi_schema
@@ -90,6 +91,8 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
                           "refcount": a.refcount, "registered": a.registered,
                           "last_error": a.last_error} for a in snap.adapters],
         })
+
+    install_dashboard(app, settings)
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi() -> Response:

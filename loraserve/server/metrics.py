@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from loraserve.adapters.versions import label
@@ -42,15 +42,19 @@ class ServerMetrics:
         self.load_seconds = Histogram("loraserve_adapter_load_seconds",
                                       "Adapter load latency (read + validate), per adapter",
                                       ["adapter"], buckets=_LATENCY, registry=r)
+        self.last_load_seconds = Gauge("loraserve_adapter_last_load_seconds",
+                                       "How long the adapter's latest load took",
+                                       ["adapter"], registry=r)
         self._snap: EngineSnapshot | None = None
         self._seen_loads: dict[int, tuple[int, float]] = {}  # uid -> (loads, total seconds)
-        self._labelled: set[str] = set()  # adapter names with series in the two metrics above
+        self._labelled: set[str] = set()  # adapter names with series in the metrics above
         r.register(_SnapshotCollector(self))
 
     # --- from the handlers ------------------------------------------------------------------
     def observe_load(self, adapter: str, seconds: float) -> None:
         self._labelled.add(adapter)
         self.load_seconds.labels(adapter).observe(seconds)
+        self.last_load_seconds.labels(adapter).set(seconds)
 
     def count_adapter_tokens(self, adapter: str, n: int) -> None:
         self._labelled.add(adapter)
@@ -74,7 +78,7 @@ class ServerMetrics:
             seen[a.uid] = (loads, total)
         self._seen_loads = seen
         for name in self._labelled - live:  # bounded cardinality: only registered adapters
-            for metric in (self.adapter_tokens, self.load_seconds):
+            for metric in (self.adapter_tokens, self.load_seconds, self.last_load_seconds):
                 try:
                     metric.remove(name)
                 except KeyError:
@@ -137,6 +141,9 @@ class _SnapshotCollector:
                                         labels=["adapter"]),
             "in_flight": GaugeMetricFamily("loraserve_adapter_requests_in_flight",
                                            "Requests holding the adapter", labels=["adapter"]),
+            "waiting": GaugeMetricFamily("loraserve_adapter_requests_waiting",
+                                         "Of those, requests waiting in the queue",
+                                         labels=["adapter"]),
             "requests": CounterMetricFamily("loraserve_adapter_requests",
                                             "Requests admitted", labels=["adapter"]),
             "host_hits": CounterMetricFamily("loraserve_adapter_host_hits",
@@ -179,6 +186,7 @@ class _SnapshotCollector:
             per["tier"].add_metric(name, TIERS[a.tier])
             per["pinned"].add_metric(name, int(a.pinned))
             per["in_flight"].add_metric(name, a.refcount)
+            per["waiting"].add_metric(name, a.waiting)
             for key in ("requests", "host_hits", "loads", "host_evictions", "slot_evictions"):
                 per[key].add_metric(name, getattr(a.stats, key))
             for key, family in prefix.items():
