@@ -3,7 +3,8 @@
 The same keys and body limit as the single server are checked here first (the replicas check
 them again: they run the single server's app). Completions are routed by adapter (Ray Serve
 multiplexing, routing.py) and relayed as they stream; the model list, metrics and debug views
-gather every replica; load/unload go to every replica or none (adapter_ops.py); anything else
+gather every replica; load/unload go to every replica or none (adapter_ops.py); the dashboard's
+files are served here, and the page's fetches come back to these routes; anything else
 goes to one replica, whose app answers it as a single server would (404, 405, OpenAPI).
 """
 
