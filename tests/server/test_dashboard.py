@@ -11,6 +11,7 @@ Screenshots go to the test's tmp folder.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -110,6 +111,9 @@ def test_loads_and_unloads_through_the_api_show_within_seconds(setup, browser):
     t0 = time.monotonic()
     expect(row(page, "extra")).to_be_visible(timeout=SOON)
     expect(row(page, "extra").locator(".col-tier")).to_have_text(models(server)["extra"]["tier"])
+    # loaded through the API: its load time is in /metrics, and on the page
+    expect(row(page, "extra").locator(".col-load")).to_have_text(
+        re.compile(r"^\d+ ms$|^\d+\.\d\d s$"))
     r = server.post("/v1/unload_lora_adapter", {"lora_name": "extra"}, key=ADMIN)
     assert r.status_code == 200, r.text
     expect(row(page, "extra")).to_have_count(0, timeout=SOON)
@@ -250,3 +254,37 @@ def test_refused_metrics_degrade_and_tenant_series_make_a_panel(setup, browser):
     expect(acme).to_contain_text("17")
     page.screenshot(path=str(root / "dashboard-tenants.png"), full_page=True)
     ctx.close()
+
+
+def test_the_pages_parser_and_diff_agree_with_references(setup, browser):
+    """The page's Prometheus parser reads the server's /metrics as prometheus_client's own
+    parser does; its word diff rebuilds both texts and keeps the common words."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server, _, _ = setup
+    server.post("/v1/completions", {"model": "sql", "prompt": "hello", "max_tokens": 4},
+                key=USER)
+    text = server.get("/metrics", key=ADMIN).text + 'x_total{a="q\\"uo\\\\te\\n"} +Inf\n'
+    page = open_page(browser, server, None)
+    got = page.evaluate("""async ([text, pairs]) => {
+        const { parsePrometheus } = await import('/dashboard/prom.js');
+        const { wordDiff } = await import('/dashboard/diff.js');
+        const samples = parsePrometheus(text).samples.map(
+            (s) => [s.name, s.labels, Number.isFinite(s.value) ? s.value : String(s.value)]);
+        return { samples, diffs: pairs.map(([a, b]) => wordDiff(a, b)) };
+    }""", [text, [["the cat sat on the mat", "the dog sat on a mat"], ["", "new words"],
+                  ["same  text\\n", "same  text\\n"]]])
+    def canon(name, labels, value):
+        return name, sorted(labels.items()), value if isinstance(value, str) else float(value)
+
+    ref = [canon(s.name, s.labels, s.value if s.value != float("inf") else "Infinity")
+           for fam in text_string_to_metric_families(text) for s in fam.samples]
+    assert len(ref) > 50
+    assert sorted(map(repr, (canon(*s) for s in got["samples"]))) == sorted(map(repr, ref))
+    assert got["diffs"][0] == [
+        {"op": "same", "text": "the "}, {"op": "del", "text": "cat "},
+        {"op": "add", "text": "dog "}, {"op": "same", "text": "sat on "},
+        {"op": "del", "text": "the "}, {"op": "add", "text": "a "},
+        {"op": "same", "text": "mat"}]
+    assert got["diffs"][1] == [{"op": "add", "text": "new words"}]
+    assert got["diffs"][2] == [{"op": "same", "text": "same  text\\n"}]

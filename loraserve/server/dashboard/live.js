@@ -37,6 +37,8 @@ export class LiveView {
     this.points = new Ring(Math.ceil((WINDOW_S * 1000) / POLL_MS) + 1);
     this.prev = null;
     this.timer = null;
+    this.busy = false;
+    this.again = false; // a refresh asked for while a scrape was on its way
     const opts = { windowS: WINDOW_S };
     this.charts = [
       new LineChart(charts, { ...opts, title: "KV cache in use", format: pct, fixedMax: 1,
@@ -70,7 +72,14 @@ export class LiveView {
   }
 
   async tick() {
-    const [metrics, models] = await Promise.all([request("/metrics"), request("/v1/models")]);
+    if (this.busy) { this.again = true; return; } // one scrape at a time: rates need a gap
+    this.busy = true;
+    let metrics, models;
+    try {
+      [metrics, models] = await Promise.all([request("/metrics"), request("/v1/models")]);
+    } finally {
+      this.busy = false;
+    }
     let parsed = null;
     if (metrics.ok) {
       parsed = parsePrometheus(metrics.body);
@@ -84,10 +93,11 @@ export class LiveView {
         : `Metrics unavailable (${metrics.error}).`;
     }
     this.onData({ models, metrics: parsed });
-    if (!document.hidden) {
-      clearTimeout(this.timer);
-      this.timer = setTimeout(() => this.tick(), POLL_MS);
-    }
+    clearTimeout(this.timer);
+    this.timer = null;
+    if (document.hidden) return;
+    if (this.again) { this.again = false; this.timer = setTimeout(() => this.tick(), 0); }
+    else this.timer = setTimeout(() => this.tick(), POLL_MS);
   }
 
   record(m) {
