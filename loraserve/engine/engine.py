@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -254,11 +255,16 @@ class LLMEngine:
         """Register `name` (with `replace`: a new version of it). `weights` may be pre-read
         off-thread; else it is read here. Returns the version now serving under `name`."""
         path = str(path)
+        read_s = None
         if weights is None and not self.store.check_new(name, path, pinned, replace):
+            t0 = time.perf_counter()
             weights = self.read_adapter(path)
+            read_s = time.perf_counter() - t0
         entry = self.store.register(name, path, weights, pinned,
                                     in_use=self.scheduler.running_adapters(), replace=replace,
                                     version=version, owned=owned)
+        if read_s is not None:  # read here (at start-up): the registration is its first load
+            entry.stats.last_load_seconds = entry.stats.total_load_seconds = read_s
         return entry.version
 
     def unload_lora_adapter(self, name: str) -> None:

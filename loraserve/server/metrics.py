@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from loraserve.adapters.versions import label
@@ -42,19 +42,17 @@ class ServerMetrics:
         self.load_seconds = Histogram("loraserve_adapter_load_seconds",
                                       "Adapter load latency (read + validate), per adapter",
                                       ["adapter"], buckets=_LATENCY, registry=r)
-        self.last_load_seconds = Gauge("loraserve_adapter_last_load_seconds",
-                                       "How long the adapter's latest load took",
-                                       ["adapter"], registry=r)
         self._snap: EngineSnapshot | None = None
         self._seen_loads: dict[int, tuple[int, float]] = {}  # uid -> (loads, total seconds)
         self._labelled: set[str] = set()  # adapter names with series in the metrics above
+        self._last_load: dict[str, float] = {}  # adapter -> seconds of its latest load seen
         r.register(_SnapshotCollector(self))
 
     # --- from the handlers ------------------------------------------------------------------
     def observe_load(self, adapter: str, seconds: float) -> None:
         self._labelled.add(adapter)
         self.load_seconds.labels(adapter).observe(seconds)
-        self.last_load_seconds.labels(adapter).set(seconds)
+        self._last_load[adapter] = seconds
 
     def count_adapter_tokens(self, adapter: str, n: int) -> None:
         self._labelled.add(adapter)
@@ -78,12 +76,13 @@ class ServerMetrics:
             seen[a.uid] = (loads, total)
         self._seen_loads = seen
         for name in self._labelled - live:  # bounded cardinality: only registered adapters
-            for metric in (self.adapter_tokens, self.load_seconds, self.last_load_seconds):
+            for metric in (self.adapter_tokens, self.load_seconds):
                 try:
                     metric.remove(name)
                 except KeyError:
                     pass
         self._labelled &= live
+        self._last_load = {k: v for k, v in self._last_load.items() if k in live}
 
 
 class RequestTimer:
@@ -139,6 +138,10 @@ class _SnapshotCollector:
                                       labels=["adapter"]),
             "pinned": GaugeMetricFamily("loraserve_adapter_pinned", "1 if pinned",
                                         labels=["adapter"]),
+            "last_load": GaugeMetricFamily(
+                "loraserve_adapter_last_load_seconds",
+                "How long its latest load took (through the API: read, validate, commit)",
+                labels=["adapter"]),
             "in_flight": GaugeMetricFamily("loraserve_adapter_requests_in_flight",
                                            "Requests holding the adapter", labels=["adapter"]),
             "waiting": GaugeMetricFamily("loraserve_adapter_requests_waiting",
@@ -187,6 +190,10 @@ class _SnapshotCollector:
             per["pinned"].add_metric(name, int(a.pinned))
             per["in_flight"].add_metric(name, a.refcount)
             per["waiting"].add_metric(name, a.waiting)
+            if a.version == newest[a.name] and a.name in self.m._last_load:
+                per["last_load"].add_metric(name, self.m._last_load[a.name])
+            elif a.stats.last_load_seconds:  # read by the engine (start-up, reloads)
+                per["last_load"].add_metric(name, a.stats.last_load_seconds)
             for key in ("requests", "host_hits", "loads", "host_evictions", "slot_evictions"):
                 per[key].add_metric(name, getattr(a.stats, key))
             for key, family in prefix.items():

@@ -2,7 +2,12 @@
 import { request } from "./api.js";
 
 const COLUMNS = ["model", "version", "tier", "pinned", "running", "waiting", "tokens",
-  "prefix", "load", "replicas", "path", "actions"];
+  "prefix", "load", "replicas", "actions", "path"];
+const PATH_CHARS = 44; // longer paths show their end; the whole one is the cell's tooltip
+
+function shortPath(path) {
+  return path.length <= PATH_CHARS ? path : `…${path.slice(path.length - PATH_CHARS + 1)}`;
+}
 
 function fmtSeconds(v) {
   if (v == null) return "—";
@@ -126,7 +131,9 @@ export class ModelTable {
     c.load.textContent = isBase ? "" : fmtSeconds(f.load);
     c.replicas.textContent = (card.replicas || [])
       .map((r) => `${r.replica}: ${r.tier}`).join(" · ");
-    c.path.textContent = this.access.operator && card.root !== card.id ? card.root : "";
+    const path = this.access.operator && card.root !== card.id ? card.root : "";
+    c.path.textContent = shortPath(path);
+    c.path.title = path;
     const key = JSON.stringify([this.access.adapter_updates, card.pinned, card.root, isBase]);
     if (row.actionsKey !== key) {
       row.actionsKey = key;
