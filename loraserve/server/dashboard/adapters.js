@@ -3,7 +3,7 @@ import { request } from "./api.js";
 
 const COLUMNS = ["model", "version", "tier", "pinned", "running", "waiting", "tokens",
   "prefix", "load", "replicas", "actions", "path"];
-const PATH_CHARS = 44; // longer paths show their end; the whole one is the cell's tooltip
+const PATH_CHARS = 32; // longer paths show their end; the whole one is the cell's tooltip
 
 function shortPath(path) {
   return path.length <= PATH_CHARS ? path : `…${path.slice(path.length - PATH_CHARS + 1)}`;
