@@ -5,7 +5,8 @@ them again: they run the single server's app, which also applies each tenant's a
 The tenants' limits are enforced here only, so they hold for the whole deployment; each
 replica reports what a request used with its answer. Completions are routed by adapter (Ray Serve
 multiplexing, routing.py) and relayed as they stream; the model list, metrics and debug views
-gather every replica; load/unload go to every replica or none (adapter_ops.py); anything else
+gather every replica; load/unload go to every replica or none (adapter_ops.py); the dashboard's
+files are served here, and the page's fetches come back to these routes; anything else
 goes to one replica, whose app answers it as a single server would (404, 405, OpenAPI).
 """
 
@@ -27,6 +28,7 @@ from loraserve.cluster.routing import routing_key
 from loraserve.cluster.spec import ENGINE_DEPLOYMENT, ClusterSpec
 from loraserve.server.api_keys import KeyFileError, KeyRing
 from loraserve.server.auth import AuthMiddleware
+from loraserve.server.dashboard_routes import install_dashboard
 from loraserve.server.errors import ApiError, install_error_handlers, retry_headers
 from loraserve.server.limits import BodyLimitMiddleware
 from loraserve.server.quotas import QuotaGate, QuotaMiddleware, TenantCollector
@@ -157,6 +159,8 @@ def build_app(ing: Ingress) -> FastAPI:
         reports = {rid: json.loads(r.body) for rid, r in replies.items()}
         return JSONResponse({"ok": all(r.get("ok") for r in reports.values()),
                              "replicas": reports})
+
+    install_dashboard(app, settings)  # the same page; the ingress's routes answer its fetches
 
     @app.api_route("/{path:path}", methods=_ANY, include_in_schema=False)
     async def anything_else(request: Request) -> Response:

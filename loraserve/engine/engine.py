@@ -11,6 +11,8 @@ import itertools
 import logging
 import os
 import time
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -285,11 +287,16 @@ class LLMEngine:
         """Register `name` (with `replace`: a new version of it). `weights` may be pre-read
         off-thread; else it is read here. Returns the version now serving under `name`."""
         path = str(path)
+        read_s = None
         if weights is None and not self.store.check_new(name, path, pinned, replace):
+            t0 = time.perf_counter()
             weights = self.read_adapter(path)
+            read_s = time.perf_counter() - t0
         entry = self.store.register(name, path, weights, pinned,
                                     in_use=self.scheduler.running_adapters(), replace=replace,
                                     version=version, owned=owned)
+        if read_s is not None:  # read here (at start-up): the registration is its first load
+            entry.stats.last_load_seconds = entry.stats.total_load_seconds = read_s
         return entry.version
 
     def unload_lora_adapter(self, name: str) -> None:
@@ -298,13 +305,18 @@ class LLMEngine:
 
     def snapshot(self) -> M.EngineSnapshot:
         pool = self.kv.pool
+        sched = self.scheduler
+        waiting = Counter(r.adapter_uid for r in sched.waiting)
+        base_running = sum(1 for r in sched.running if r.adapter_uid is None)
         return M.EngineSnapshot(
-            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-            paused=len(self.scheduler.paused),
+            running=len(sched.running), waiting=len(sched.waiting),
+            paused=len(sched.paused),
             kv_blocks_used=pool.num_used, kv_blocks_total=pool.num_blocks,
-            num_steps=self.num_steps, adapters=self.store.snapshot(),
+            num_steps=self.num_steps,
+            adapters=tuple(replace(a, waiting=waiting[a.uid]) for a in self.store.snapshot()),
             model_name=self.info.model_name, base_prefix_queries=self.base_prefix.prefix_queries,
-            base_prefix_hits=self.base_prefix.prefix_hits, kv_blocks_cached=pool.num_cached)
+            base_prefix_hits=self.base_prefix.prefix_hits, kv_blocks_cached=pool.num_cached,
+            base_waiting=waiting[None], base_in_flight=base_running + waiting[None])
 
     def check_invariants(self, awaited: tuple[str, ...] = ()) -> InvariantReport:
         """Every KV block, adapter refcount, slot and load accounted for (engine/invariants.py);

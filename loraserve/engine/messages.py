@@ -128,6 +128,8 @@ class EngineSnapshot:
     base_prefix_hits: int = 0
     kv_blocks_cached: int = 0  # full blocks indexed by the prefix cache (held or free)
     paused: int = 0  # requests whose client does not read their stream
+    base_in_flight: int = 0  # base-model requests running or waiting
+    base_waiting: int = 0
 
     @property
     def kv_usage(self) -> float:

@@ -126,7 +126,8 @@ def model_cards(ctx: ServerContext, snap: EngineSnapshot, operator: bool,
     root = ctx.model_path if operator else base
     cards = []
     if tenant is None or tenant.may_use(None):
-        cards.append(P.model_card(base, root=root, parent=None, tier="device", pinned=True))
+        cards.append(P.model_card(base, root=root, parent=None, tier="device", pinned=True,
+                                  in_flight=snap.base_in_flight, waiting=snap.base_waiting))
     live: dict[str, list] = {}
     for a in snap.adapters:
         if a.registered and (tenant is None or tenant.may_use(a.name)):
@@ -139,6 +140,7 @@ def model_cards(ctx: ServerContext, snap: EngineSnapshot, operator: bool,
             model_id = name if a is versions[-1] else label(name, a.version)
             cards.append(P.model_card(
                 model_id, root=a.path if operator else model_id, parent=base, tier=a.tier,
-                pinned=a.pinned, rank=a.rank, in_flight=a.refcount, version=a.version,
+                pinned=a.pinned, rank=a.rank, in_flight=a.refcount, waiting=a.waiting,
+                version=a.version,
                 **({"versions": numbers} if a is versions[-1] else {})))
     return cards

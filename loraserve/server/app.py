@@ -16,6 +16,7 @@ from loraserve.engine.async_engine import AsyncEngine
 from loraserve.server import adapter_routes, serving
 from loraserve.server.auth import AuthMiddleware
 from loraserve.server.context import ServerContext
+from loraserve.server.dashboard_routes import install_dashboard
 from loraserve.server.drain import DrainMiddleware
 from loraserve.server.errors import install_error_handlers, retry_headers
 from loraserve.server.limits import BodyLimitMiddleware
@@ -107,6 +108,8 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
                           "refcount": a.refcount, "registered": a.registered,
                           "last_error": a.last_error} for a in snap.adapters],
         })
+
+    install_dashboard(app, settings)
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi() -> Response:

@@ -1,7 +1,8 @@
 """API keys, checked before a request body is read.
 
-- `--api-key`: every route but /health needs `Authorization: Bearer KEY` (the admin key works
-  too). Keys are compared with `hmac.compare_digest` (constant time, CVE-2025-59425).
+- `--api-key`: every route but /health and the dashboard's static files needs
+  `Authorization: Bearer KEY` (the admin key works too). Keys are compared with
+  `hmac.compare_digest` (constant time, CVE-2025-59425).
 - Adapter load/unload routes are off (403) unless `--admin-api-key` (then they need THAT key)
   or `--allow-runtime-lora-updates` (loopback hosts only; checked in ServerSettings).
 - What is the operator's (/debug/state, /debug/invariants, /v1/reload_api_keys, the server's
@@ -20,11 +21,13 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from loraserve.server import dashboard
 from loraserve.server.api_keys import KeyRing, Tenant
 from loraserve.server.errors import error_bytes
 from loraserve.server.settings import ServerSettings, is_loopback
 
-OPEN_PATHS = frozenset({"/health"})
+# the dashboard's static files hold no data; the page sends the key with what it fetches
+OPEN_PATHS = frozenset({"/health", *dashboard.PATHS})
 OPERATOR_PATHS = frozenset({"/debug/state", "/debug/invariants", "/v1/reload_api_keys"})
 TENANT_OPERATOR_PATHS = frozenset({"/metrics"})  # operator-only once tenants exist
 ADMIN_PATHS = frozenset({f"{prefix}/{verb}_lora_adapter" for prefix in ("/v1", "")
