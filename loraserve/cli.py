@@ -126,7 +126,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                 ignore_eos=args.ignore_eos, stop=tuple(args.stop or ()))
         llm = LLM(args.model, lora_paths=adapters, **dataclasses.asdict(config))
         outs = llm.generate(prompts, params, lora=args.lora)
-    except (LoraServeError, OSError, ValueError) as e:
+    except OSError as e:  # no such model; an unusable (full, read-only) cache directory
+        from loraserve.paths import describe_os_error
+
+        raise usage_error("generate", describe_os_error(e)) from e
+    except (LoraServeError, ValueError) as e:
         raise usage_error("generate", str(e).strip("'\"")) from e
     for prompt, out in zip(args.prompt, outs, strict=True):
         if args.json:
@@ -147,6 +151,10 @@ def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = No
     log = logging.getLogger("loraserve.server")
     try:
         settings = settings_from_args(args)  # refuses unsafe flag combinations
+        if settings.api_keys_file:  # a bad keys file stops the start, in one line
+            from loraserve.server.api_keys import KeyRing
+
+            KeyRing(settings.api_keys_file, (settings.api_key, settings.admin_api_key))
     except ValueError as e:
         raise usage_error("serve", str(e)) from e
     config = engine_config_from_args(args)
@@ -163,6 +171,7 @@ def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = No
 
     from loraserve.engine.async_engine import AsyncEngine
     from loraserve.server.app import create_app
+    from loraserve.server.send_buffer import bounded_h11_protocol
     from loraserve.server.shutdown import GracefulServer
 
     engine = _load_engine(args.model, config, adapters, log)
@@ -170,7 +179,8 @@ def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = No
              engine.info.model_name, engine.info.model_path, engine.store.num_registered,
              engine.info.lora_backend, "on" if settings.runtime_lora_updates else "off")
     app = create_app(AsyncEngine(engine), settings)
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, http="h11",
+    http = bounded_h11_protocol(args.send_buffer_bytes) if args.send_buffer_bytes > 0 else "h11"
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, http=http,
                                log_level=args.log_level,
                                h11_max_incomplete_event_size=H11_MAX_EVENT_BYTES)
 

@@ -12,6 +12,7 @@ from loraserve.types import FinishReason, PromptLogprob, SamplingParams
 class RequestStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PAUSED = "paused"  # its client does not read its stream: out of scheduling, no KV
     FINISHED = "finished"
 
 
@@ -25,6 +26,7 @@ class Request:
         lora_name: str | None = None,
         generator: Any = None,
         origin: str | None = None,
+        client_id: str | None = None,
         cache_namespace: bytes = b"",
         fork_parent: Request | None = None,
     ):
@@ -38,6 +40,9 @@ class Request:
         self.adapter_version: int | None = None  # the version of lora_name it is bound to
         self.generator = generator  # its own RNG (a torch.Generator) when a seed was given
         self.origin = origin  # the client request it came from (its n x prompts share one)
+        # who sent it, for fairness between clients: the API key's tenant, else the
+        # connection's address (None: the offline API)
+        self.client_id = client_id
         # Prefix cache: the namespace of its K/V (the weights they are computed under), the
         # hash chain of its full blocks, and how many of its blocks are indexed.
         self.cache_namespace = cache_namespace
@@ -67,6 +72,7 @@ class Request:
         self.error: str | None = None
         self.error_status: int | None = None  # 4xx: the adapter it named; 500: our bug
         self.num_preemptions = 0
+        self.paused_at: float | None = None  # monotonic time it was paused
         self.blocked_steps = 0  # steps spent waiting behind the adapter cap (starvation guard)
         self.text = ""  # detokenized output (maintained by the output processor)
         self.holdback = 0  # trailing chars of `text` that may start a stop string: not streamed

@@ -182,6 +182,23 @@ class AdapterFormatError(LoraServeError):
     code = "invalid_adapter"
 
 
+class AdapterFilesChangedError(LoraServeError):
+    """The adapter's files changed on disk while they were being read (a file vanished or was
+    replaced): the operator's files moving underneath, not a mistake in the request. Retry
+    when they are in place."""
+
+    status = 409
+    code = "adapter_files_changed"
+
+
+class AdapterLoadCancelledError(LoraServeError):
+    """The load was stopped because the server is shutting down."""
+
+    status = 503
+    code = "server_unavailable"
+    retry_after_s = 5
+
+
 class RequestTooLargeError(LoraServeError):
     status = 400
     code = "request_too_large"

@@ -65,9 +65,12 @@ class LocalCluster:
     def wait_replicas(self, n: int, exclude: tuple[str, ...] = (), timeout: float = 120) -> list:
         """Block until the ingress reports n replicas (none of `exclude`) and they answer."""
         deadline = time.monotonic() + timeout
+        key = self.spec.settings.admin_api_key or self.spec.settings.api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         while time.monotonic() < deadline:
             try:
-                models = httpx.get(self.url + "/v1/models", timeout=10).json()["data"]
+                models = httpx.get(self.url + "/v1/models", timeout=10,
+                                   headers=headers).json()["data"]
                 ids = sorted(r["replica"] for r in models[0]["replicas"])
                 if len(ids) == n and not set(ids) & set(exclude):
                     return ids

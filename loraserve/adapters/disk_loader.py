@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from typing import NamedTuple
 
+from loraserve.adapters.daemon_pool import DaemonPool
 from loraserve.adapters.format import LoraAdapterWeights
 
 
@@ -26,7 +27,7 @@ class DiskLoader:
     def __init__(self, read: Callable[[str], LoraAdapterWeights], workers: int = 2):
         self._read = read
         self.workers = workers
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lora-load")
+        self._pool = DaemonPool(workers, "lora-load")  # never holds the process at exit
         self._pending: dict[int, Future] = {}  # uid -> future of (weights, seconds)
         self.delay_s = 0.0  # injected latency, for tests and benchmarks of slow storage
 
@@ -80,4 +81,4 @@ class DiskLoader:
             wait(list(self._pending.values()), timeout=timeout, return_when="FIRST_COMPLETED")
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()

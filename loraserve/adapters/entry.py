@@ -66,3 +66,4 @@ class AdapterSnapshot:
     fingerprint: str
     stats: AdapterStats
     version: int = 1  # `name@version` names exactly these weights
+    waiting: int = 0  # of the requests holding it (refcount), those queued (the engine's count)

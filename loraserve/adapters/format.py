@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -23,11 +22,19 @@ from pathlib import Path
 
 import torch
 
-from loraserve.adapters.peft.files import check_inside, check_safetensors, max_weights_bytes
-from loraserve.adapters.peft.regex_guard import unsafe_reason
+from loraserve.adapters.peft.budget import MAX_CONFIG_BYTES, LoadBudget, check_config_shape
+from loraserve.adapters.peft.config_checks import validate_config
+from loraserve.adapters.peft.file_errors import os_errors_as_load_errors
+from loraserve.adapters.peft.files import (
+    check_inside,
+    max_weights_bytes,
+    open_safetensors,
+    read_limited,
+)
 from loraserve.adapters.peft.targets import (
     FUSED_MODULES,
     KNOWN_MODULES,
+    compile_patterns,
     full_name,
     parent_of,
     resolve_targets,
@@ -39,14 +46,6 @@ CONFIG_FILE = "adapter_config.json"
 SAFETENSORS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
 
-# Config switches that change the math or add weights beyond plain LoRA on our linears.
-_UNSUPPORTED_FLAGS = {
-    "use_dora": "DoRA (use_dora)", "lora_bias": "lora_bias", "use_qalora": "QALoRA",
-    "alora_invocation_tokens": "activated LoRA", "trainable_token_indices": "trainable tokens",
-    "layer_replication": "layer_replication", "target_parameters": "target_parameters",
-    "velora_config": "VeLoRA", "monteclora_config": "MonteCLoRA", "use_bdlora": "BD-LoRA",
-    "arrow_config": "Arrow routing", "kasa_config": "KaSA",
-}
 # '...q_proj.lora_A.weight' or, with an adapter name, '...q_proj.lora_A.default.weight'.
 _LORA_KEY_RE = re.compile(r"^(?P<mod>.+)\.(?P<kind>lora_A|lora_B)(?:\.[^.]+)?\.(?P<param>\w+)$")
 _LAYER_MOD_RE = re.compile(
@@ -76,27 +75,23 @@ def _fail(path: object, problem: str) -> AdapterFormatError:
     return AdapterFormatError(f"adapter {path}: {problem}")
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: object) -> bool:
-    return (_is_int(x) or isinstance(x, float)) and math.isfinite(x)
-
-
 def read_adapter_config(
     path: str | os.PathLike, model_config: ModelConfig | None = None, *,
     max_lora_rank: int | None = None,
 ) -> dict:
-    """Parse and validate adapter_config.json; with `model_config`, also check that its targets
-    exist in the model (and, with `max_lora_rank`, that every targeted rank fits)."""
-    cfg, _ = _read_config(path)
-    if model_config is not None:
-        resolve_targets(cfg, model_config, path, max_lora_rank)
+    """Parse and validate adapter_config.json (its regexes compiled, within the load's
+    bounds); with `model_config`, also check that its targets exist in the model (and, with
+    `max_lora_rank`, that every targeted rank fits)."""
+    with os_errors_as_load_errors(path):
+        budget = LoadBudget()
+        cfg, _ = _read_config(path, None, budget)
+        if model_config is not None:
+            resolve_targets(cfg, model_config, path, max_lora_rank, budget)
     return cfg
 
 
-def _read_config(path: str | os.PathLike, root: str | None = None) -> tuple[dict, bytes]:
+def _read_config(path: str | os.PathLike, root: str | None,
+                 budget: LoadBudget) -> tuple[dict, bytes]:
     """The parsed config and its bytes (read once: the fingerprint covers what was parsed)."""
     p = Path(path)
     if not p.exists():
@@ -107,78 +102,32 @@ def _read_config(path: str | os.PathLike, root: str | None = None) -> tuple[dict
     if not cfg_file.is_file():
         raise _fail(path, f"missing {CONFIG_FILE}")
     check_inside(cfg_file, root, path)
-    raw = cfg_file.read_bytes()
+    raw = read_limited(cfg_file, MAX_CONFIG_BYTES, path, "an adapter config (size bound)")
     try:
         cfg = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise _fail(path, f"invalid JSON in {CONFIG_FILE}: {e}") from None
+    except RecursionError:
+        raise _fail(path, f"{CONFIG_FILE} nests too deeply (the per-load depth bound)") from None
+    except ValueError as e:  # e.g. an integer of over 4300 digits
+        raise _fail(path, f"invalid JSON in {CONFIG_FILE}: {e}") from None
     if not isinstance(cfg, dict):
         raise _fail(path, f"{CONFIG_FILE} must hold a JSON object")
-    _validate_config(cfg, path)
+    check_config_shape(cfg, path)
+    validate_config(cfg, path)
+    compile_patterns(cfg, path, budget)
     return cfg, raw
 
 
-def _validate_config(cfg: dict, path: object) -> None:
-    peft_type = cfg.get("peft_type")
-    if str(peft_type).upper() != "LORA":
-        raise _fail(path, f"peft_type is {peft_type!r}; only LORA adapters are supported")
-    r = cfg.get("r", 8)  # PEFT's defaults when a key is absent
-    if not _is_int(r) or r <= 0:
-        raise _fail(path, f"r must be a positive integer, got {r!r}")
-    alpha = cfg.get("lora_alpha", 8)
-    if not _is_number(alpha):
-        raise _fail(path, f"lora_alpha must be a finite number, got {alpha!r}")
-    if not isinstance(cfg.get("use_rslora", False), bool):
-        raise _fail(path, f"use_rslora must be true or false, got {cfg['use_rslora']!r}")
-    for key, what in _UNSUPPORTED_FLAGS.items():
-        if cfg.get(key):
-            raise _fail(path, f"{what} is not supported yet")
-    if cfg.get("modules_to_save"):
-        raise _fail(path, f"modules_to_save {cfg['modules_to_save']!r} is not supported yet")
-    if cfg.get("bias", "none") != "none":
-        raise _fail(path, f"bias={cfg['bias']!r} is not supported yet (only 'none')")
-    tm = cfg.get("target_modules")
-    _check_patterns(tm, "target_modules", path, list_ok=bool(tm))
-    _check_patterns(cfg.get("exclude_modules"), "exclude_modules", path, none_ok=True)
-    _check_patterns(cfg.get("layers_pattern"), "layers_pattern", path, none_ok=True)
-    for name, what in (("rank_pattern", "a positive integer"), ("alpha_pattern", "a number")):
-        pat = cfg.get(name) or {}
-        if not isinstance(pat, dict):
-            raise _fail(path, f"{name} must be an object, got {pat!r}")
-        for k, v in pat.items():
-            _check_patterns(k, name, path)
-            ok = _is_int(v) and v > 0 if name == "rank_pattern" else _is_number(v)
-            if not ok:
-                raise _fail(path, f"{name}[{k!r}] must be {what}, got {v!r}")
-    ltt = cfg.get("layers_to_transform")
-    if isinstance(tm, str) and (ltt is not None or cfg.get("layers_pattern") is not None):
-        raise _fail(path, "layers_to_transform/layers_pattern cannot be used with a regex "
-                          "target_modules (PEFT refuses this too)")
-    ltt_list = [ltt] if _is_int(ltt) else ltt
-    if ltt is not None and not (isinstance(ltt_list, list) and all(map(_is_int, ltt_list))):
-        raise _fail(path, f"layers_to_transform must be an int or a list of ints, got {ltt!r}")
-
-
-def _check_patterns(value, field: str, path: object, list_ok=True, none_ok=False) -> None:
-    """A regex string, or (if list_ok) a list of strings; every one must compile."""
-    if value is None and none_ok:
-        return
-    items = value if list_ok and isinstance(value, list) else [value]
-    if not all(isinstance(v, str) for v in items) or (not items and not none_ok):
-        raise _fail(path, f"{field} must be a regex string or a list of strings, got {value!r}")
-    for v in items:
-        if (why := unsafe_reason(v)) is not None:
-            raise _fail(path, f"{field} regex {v[:80]!r} is refused: {why}")
-
-
 def _load_tensors(p: Path, path: object, allow_pickle: bool, root: str | None,
-                  max_bytes: int) -> tuple[dict, bytes]:
+                  mc: ModelConfig, max_bytes: int) -> tuple[dict, bytes]:
     """The weights file's tensors and its bytes (read once, so both agree)."""
     st, pkl = p / SAFETENSORS_FILE, p / PICKLE_FILE
     if st.is_file():
         check_inside(st, root, path)
-        check_safetensors(st, path, max_bytes)
-        data = st.read_bytes()
+        entries, data = open_safetensors(st, path, max_bytes, mc)
+        for e in entries:  # names are refused from the header, before any tensor is made
+            _parse_key(e.name, path)
         try:
             from safetensors.torch import load
 
@@ -190,9 +139,7 @@ def _load_tensors(p: Path, path: object, allow_pickle: bool, root: str | None,
             raise _fail(path, f"only a pickle {PICKLE_FILE} found; pickle files can run code, "
                               f"convert it to {SAFETENSORS_FILE} or allow pickle adapters")
         check_inside(pkl, root, path)
-        if pkl.stat().st_size > max_bytes:
-            raise _fail(path, f"{PICKLE_FILE} is larger than an adapter of this model can be")
-        data = pkl.read_bytes()
+        data = read_limited(pkl, max_bytes, path, "an adapter of this model")
         try:
             tensors = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as e:
@@ -227,15 +174,24 @@ def _parse_key(key: str, path: object) -> tuple[int, str, str]:
 
 def read_adapter(
     path: str | os.PathLike, model_config: ModelConfig, *, max_lora_rank: int,
-    allow_pickle: bool = False, root: str | None = None,
+    allow_pickle: bool = False, root: str | None = None, budget: LoadBudget | None = None,
 ) -> LoraAdapterWeights:
     """Read and fully validate a PEFT LoRA adapter directory into float32 host tensors.
     `root`: every file read must resolve inside it. The fingerprint covers the config and the
-    weights: either changing makes another adapter."""
-    cfg, raw_cfg = _read_config(path, root)
-    plan = resolve_targets(cfg, model_config, path, max_lora_rank)
-    tensors, data = _load_tensors(Path(path), path, allow_pickle, root,
+    weights: either changing makes another adapter. `budget`: the load's time bound (and the
+    server's cancel switch); a fresh one by default."""
+    with os_errors_as_load_errors(path):
+        return _read_adapter(path, model_config, max_lora_rank, allow_pickle, root,
+                             budget or LoadBudget())
+
+
+def _read_adapter(path, model_config: ModelConfig, max_lora_rank: int, allow_pickle: bool,
+                  root: str | None, budget: LoadBudget) -> LoraAdapterWeights:
+    cfg, raw_cfg = _read_config(path, root, budget)
+    plan = resolve_targets(cfg, model_config, path, max_lora_rank, budget)
+    tensors, data = _load_tensors(Path(path), path, allow_pickle, root, model_config,
                                   max_weights_bytes(model_config, max_lora_rank))
+    budget.check(path, "reading the weights")
     fingerprint = hashlib.sha256(hashlib.sha256(raw_cfg).digest() + data).hexdigest()
     n_layers = model_config.num_hidden_layers
     pairs: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}

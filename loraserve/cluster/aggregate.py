@@ -8,7 +8,8 @@ is pinned anywhere. /metrics: every replica's series with a `replica` label, eac
 from __future__ import annotations
 
 _TIER_RANK = {"disk": 0, "host": 1, "device": 2}
-_PER_REPLICA = ("tier", "pinned", "in_flight")
+_PER_REPLICA = ("tier", "pinned", "in_flight", "waiting")
+_SUMMED = ("in_flight", "waiting")
 
 
 def merge_cards(per_replica: dict[str, list[dict]]) -> list[dict]:
@@ -24,8 +25,9 @@ def merge_cards(per_replica: dict[str, list[dict]]) -> list[dict]:
                 if _TIER_RANK.get(card.get("tier"), -1) > _TIER_RANK.get(out.get("tier"), -1):
                     out["tier"] = card["tier"]
                 out["pinned"] = bool(out.get("pinned")) or bool(card.get("pinned"))
-                if "in_flight" in card:
-                    out["in_flight"] = out.get("in_flight", 0) + card["in_flight"]
+                for key in _SUMMED:
+                    if key in card:
+                        out[key] = out.get(key, 0) + card[key]
                 if out.get("rank") is None and card.get("rank") is not None:
                     out["rank"] = card["rank"]
             out["replicas"].append(here)

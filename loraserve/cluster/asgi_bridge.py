@@ -15,6 +15,8 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from loraserve.server.quotas import USAGE_KEY
+
 log = logging.getLogger("loraserve.cluster")
 
 Headers = tuple[tuple[bytes, bytes], ...]
@@ -44,6 +46,14 @@ class HttpHead:
 
 
 @dataclass(frozen=True)
+class HttpUsage:
+    """After the body: the tokens the request used (prompt + generated), for the ingress's
+    tokens_per_minute; never sent to the client."""
+
+    tokens: int
+
+
+@dataclass(frozen=True)
 class HttpReply:
     """A whole response (fan-out calls: models, metrics, load/unload)."""
 
@@ -64,8 +74,9 @@ def _scope(req: HttpRequest) -> dict:
             "server": ("loraserve-replica", 0), "state": {}}
 
 
-async def stream_app(app, req: HttpRequest) -> AsyncIterator[HttpHead | bytes]:
-    """Run `req` through `app`; yield the head, then every non-empty body chunk."""
+async def stream_app(app, req: HttpRequest) -> AsyncIterator[HttpHead | bytes | HttpUsage]:
+    """Run `req` through `app`; yield the head, every non-empty body chunk, then what the
+    request used (if it was a completion)."""
     out: asyncio.Queue = asyncio.Queue()
     gone = asyncio.Event()
     sent_body = False
@@ -81,7 +92,8 @@ async def stream_app(app, req: HttpRequest) -> AsyncIterator[HttpHead | bytes]:
     async def send(message: dict) -> None:
         await out.put(message)
 
-    task = asyncio.ensure_future(app(_scope(req), receive, send))
+    scope = _scope(req)
+    task = asyncio.ensure_future(app(scope, receive, send))
     task.add_done_callback(lambda t: out.put_nowait(None))  # wakes the reader at the end
     complete = False
     try:
@@ -108,6 +120,8 @@ async def stream_app(app, req: HttpRequest) -> AsyncIterator[HttpHead | bytes]:
     if not complete:  # the app ended without a response: our bug, but answer the client
         log.error("the server app ended without a complete response for %s %s", req.method,
                   req.path)
+    elif (used := scope["state"].get(USAGE_KEY)) is not None:
+        yield HttpUsage(int(used))
 
 
 async def call_app(app, req: HttpRequest) -> HttpReply:
@@ -116,6 +130,6 @@ async def call_app(app, req: HttpRequest) -> HttpReply:
     async for item in stream_app(app, req):
         if isinstance(item, HttpHead):
             head = item
-        else:
+        elif isinstance(item, bytes):
             chunks.append(item)
     return HttpReply(head.status, head.headers, b"".join(chunks))

@@ -3,7 +3,10 @@
 Client requests go through Ray's router (affinity or round robin, routing.py). Control calls
 (load, unload, /v1/models, /metrics) name their replica; the replicas are the ones the router
 knows now. A replica that dies during a call is reported as gone (None), not as a failure of
-the call: its replacement replays the registry when it starts.
+the call: its replacement replays the registry when it starts. A call waiting on a replica
+asks every second whether it is still alive, so a dead one never holds a load or an unload
+for longer than that (Serve's router itself may take a minute to drop it); one alive that
+does not answer in time is a 503 naming it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from loraserve.server.errors import error_bytes
 
 log = logging.getLogger("loraserve.cluster")
 _JSON = ((b"content-type", b"application/json"),)
+_RETRY = (*_JSON, (b"retry-after", b"5"))
+LIVENESS_POLL_S = 1.0
 
 
 class Replicas:
@@ -47,18 +52,29 @@ class Replicas:
         # id, and Ray's router matches routed replicas to requests by that id, so concurrent
         # calls of one request (this fan-out) would all wait on the first one's match.
         response = contextvars.Context().run(self.handle.control.remote, req, want, target=rid)
+        call = asyncio.ensure_future(_result(response))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
         try:
-            return await asyncio.wait_for(_result(response), self.timeout_s)
+            while True:
+                done, _ = await asyncio.wait({call}, timeout=LIVENESS_POLL_S)
+                if done:
+                    return call.result()
+                if rid not in self.ids() or not await live_replicas.is_alive(
+                        self.app_name, self.deployment, rid):
+                    log.warning("replica %s is gone (it stopped answering)", rid)
+                    return None
+                if loop.time() > deadline:
+                    return HttpReply(503, _RETRY, error_bytes(
+                        503, f"replica {rid} did not answer in {self.timeout_s:g} s; retry",
+                        "server_unavailable"))
         except (ActorDiedError, ActorUnavailableError, RayActorError) as e:
             log.warning("replica %s is gone (%s)", rid, type(e).__name__)
             return None
-        except TimeoutError:
-            response.cancel()
-            if rid not in self.ids():
-                return None
-            return HttpReply(503, _JSON, error_bytes(
-                503, f"replica {rid} did not answer in {self.timeout_s:g} s; retry",
-                "server_unavailable"))
+        finally:
+            if not call.done():
+                call.cancel()
+                response.cancel()
 
     async def control_all(self, req: HttpRequest,
                           want: RegistryVersion | None) -> dict[str, HttpReply | None]:

@@ -1,9 +1,12 @@
 """The cluster's front door: one OpenAI-compatible app over N engine replicas.
 
 The same keys and body limit as the single server are checked here first (the replicas check
-them again: they run the single server's app). Completions are routed by adapter (Ray Serve
+them again: they run the single server's app, which also applies each tenant's adapter scope).
+The tenants' limits are enforced here only, so they hold for the whole deployment; each
+replica reports what a request used with its answer. Completions are routed by adapter (Ray Serve
 multiplexing, routing.py) and relayed as they stream; the model list, metrics and debug views
-gather every replica; load/unload go to every replica or none (adapter_ops.py); anything else
+gather every replica; load/unload go to every replica or none (adapter_ops.py); the dashboard's
+files are served here, and the page's fetches come back to these routes; anything else
 goes to one replica, whose app answers it as a single server would (404, 405, OpenAPI).
 """
 
@@ -14,6 +17,7 @@ import json
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, generate_latest
 from ray import serve
 
 from loraserve.cluster import adapter_ops
@@ -22,9 +26,12 @@ from loraserve.cluster.fanout import Replicas
 from loraserve.cluster.relay import relay, reply_response, to_http_request
 from loraserve.cluster.routing import routing_key
 from loraserve.cluster.spec import ENGINE_DEPLOYMENT, ClusterSpec
+from loraserve.server.api_keys import KeyFileError, KeyRing
 from loraserve.server.auth import AuthMiddleware
-from loraserve.server.errors import install_error_handlers
+from loraserve.server.dashboard_routes import install_dashboard
+from loraserve.server.errors import ApiError, install_error_handlers, retry_headers
 from loraserve.server.limits import BodyLimitMiddleware
+from loraserve.server.quotas import QuotaGate, QuotaMiddleware, TenantCollector
 
 _ANY = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
@@ -34,6 +41,9 @@ class Ingress:
     async def __init__(self, engines, registry, spec: ClusterSpec):
         self.spec = spec
         self.registry = registry
+        s = spec.settings
+        self.keys = KeyRing(s.api_keys_file, (s.api_key, s.admin_api_key))
+        self.quotas = QuotaGate()
         app_name = serve.get_replica_context().app_name
         self.replicas = Replicas(engines, app_name, ENGINE_DEPLOYMENT, spec.control_timeout_s)
         info = await self.replicas.info()  # also starts the router that lists the replicas
@@ -69,13 +79,15 @@ def build_app(ing: Ingress) -> FastAPI:
     app = FastAPI(title="loraserve cluster", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
-    app.add_middleware(AuthMiddleware, settings=settings)
+    app.add_middleware(QuotaMiddleware, gate=ing.quotas)
+    app.add_middleware(AuthMiddleware, settings=settings, keys=ing.keys)
 
     @app.get("/health")
     async def health() -> Response:
         n = len(ing.replicas.ids())
         if not n:
-            return JSONResponse({"status": "no engine replica running"}, status_code=503)
+            return JSONResponse({"status": "no engine replica running"}, status_code=503,
+                                headers=retry_headers(503))
         return JSONResponse({"status": "ok", "replicas": n})
 
     @app.post("/v1/completions")
@@ -101,12 +113,28 @@ def build_app(ing: Ingress) -> FastAPI:
         app.add_api_route(f"{prefix}/unload_lora_adapter", _bind(adapter_ops.unload, ing),
                           methods=["POST"])
 
+    @app.post("/v1/reload_api_keys")
+    async def reload_api_keys(request: Request) -> Response:
+        """The ingress's keys (scope and limits here), then every replica's (scope there)."""
+        try:
+            table = ing.keys.reload()
+        except KeyFileError as e:
+            raise ApiError(400, f"{e}; the keys in force stay", "invalid_api_keys_file") from e
+        req = to_http_request(request, b"{}")
+        for reply in (await ing.replicas.control_all(req, None)).values():
+            if reply is not None and not reply.ok:
+                return reply_response(reply)
+        return JSONResponse({"success": True, "tenants": sorted(table.tenants)})
+
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         replies, refusal = await ing.gather(request, "/metrics")
         if refusal is not None:
             return refusal
-        extra = ("# HELP loraserve_cluster_replicas Engine replicas running\n"
+        tenants = CollectorRegistry()
+        tenants.register(TenantCollector(ing.quotas, ing.keys))
+        extra = generate_latest(tenants).decode() + (
+                 "# HELP loraserve_cluster_replicas Engine replicas running\n"
                  "# TYPE loraserve_cluster_replicas gauge\n"
                  f"loraserve_cluster_replicas {len(replies)}\n"
                  "# HELP loraserve_cluster_registry_version Adapter changes committed\n"
@@ -131,6 +159,8 @@ def build_app(ing: Ingress) -> FastAPI:
         reports = {rid: json.loads(r.body) for rid, r in replies.items()}
         return JSONResponse({"ok": all(r.get("ok") for r in reports.values()),
                              "replicas": reports})
+
+    install_dashboard(app, settings)  # the same page; the ingress's routes answer its fetches
 
     @app.api_route("/{path:path}", methods=_ANY, include_in_schema=False)
     async def anything_else(request: Request) -> Response:

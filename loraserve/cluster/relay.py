@@ -18,9 +18,10 @@ from fastapi.responses import Response, StreamingResponse
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
-from loraserve.cluster.asgi_bridge import HttpHead, HttpReply, HttpRequest
+from loraserve.cluster.asgi_bridge import HttpHead, HttpReply, HttpRequest, HttpUsage
 from loraserve.server.errors import error_body, error_response
 from loraserve.server.formatting import sse
+from loraserve.server.quotas import record_usage
 
 log = logging.getLogger("loraserve.cluster")
 GONE = ("the engine replica serving this request stopped; retry (another replica or its "
@@ -66,7 +67,7 @@ async def relay(open_stream, request: Request, poll_s: float, attempts: int = 3)
         return Response(status_code=499)  # the client is gone; nobody reads this
     streaming = any(k == b"content-type" and v.startswith(b"text/event-stream")
                     for k, v in head.headers)
-    response = StreamingResponse(_body(gen, streaming), status_code=head.status)
+    response = StreamingResponse(_body(gen, streaming, request.scope), status_code=head.status)
     response.raw_headers = list(head.headers)
     return response
 
@@ -89,10 +90,13 @@ async def _head(gen, request: Request, poll_s: float) -> HttpHead | None:
             first.cancel()
 
 
-async def _body(gen, streaming: bool):
+async def _body(gen, streaming: bool, scope):
     finished = False
     try:
         async for chunk in gen:
+            if isinstance(chunk, HttpUsage):  # the replica's count, for the ingress's quotas
+                record_usage(scope, chunk.tokens)
+                continue
             yield chunk
         finished = True
     except RayActorError as e:

@@ -58,7 +58,8 @@ class EngineReplica:
             None, LLMEngine, spec.model, config)
         self.aengine = AsyncEngine(engine)
         self.aengine.start()  # the app's lifespan does this on a direct server
-        self.app = create_app(self.aengine, spec.settings)
+        # the ingress enforces the tenants' limits for the whole deployment
+        self.app = create_app(self.aengine, spec.settings, enforce_quotas=False)
         self.ctx = self.app.state.ctx
         self.spec = spec
         self.registry = registry

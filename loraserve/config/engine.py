@@ -92,7 +92,29 @@ class EngineConfig:
             "admitted ahead of it")
     request_fair_share: float = knob(
         0.5, "while other clients' requests wait, the largest share of max_num_seqs and of the "
-             "KV cache that one client request (its n x prompts) may hold in the running batch")
+             "KV cache that one client (with --disable-fair-scheduling: one client request, "
+             "its n x prompts) may hold in the running batch")
+    fair_scheduling: bool = knob(
+        True, "share the engine between clients (API key tenant, else address) by tokens "
+              "served (virtual token counters): new requests and the next chunks of long "
+              "prompts go to the client served least; within a client, to the request served "
+              "least. Off: first come, first served",
+        off_flag="--disable-fair-scheduling")
+    fair_decode_weight: float = knob(
+        2.0, "fair scheduling: what a decode token counts in a client's service, a prefill "
+             "token counting 1")
+    decode_pace_factor: float = knob(
+        3.0, "prefill tokens per step are capped so that a step takes at most this many times "
+             "a decode-only step (costs measured as the engine runs): long prompts are chunked "
+             "so that decodes and short requests keep their pace; 0: no cap (a step may take "
+             "max_num_batched_tokens)")
+    max_unread_outputs: int = knob(
+        64, "outputs a streaming request may have waiting unread by its client; beyond, it "
+            "leaves the running batch (its seat and KV freed) until the client reads; 0: "
+            "unbounded")
+    stalled_stream_timeout: float = knob(
+        60.0, "seconds a request paused for an unread stream waits for its client before it "
+              "is aborted")
     num_threads: int | None = knob(
         None, "torch intra-op threads (default: torch's choice)")
     seed: int = knob(0, "seed of the sampling RNG of requests that bring no seed of their own")
@@ -136,6 +158,14 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.decode_pace_factor != 0.0 and self.decode_pace_factor <= 1.0:
+            raise ValueError("decode_pace_factor must be above 1 (or 0: no cap)")
+        if self.fair_decode_weight < 0.0:
+            raise ValueError("fair_decode_weight must be >= 0")
+        if self.max_unread_outputs < 0:
+            raise ValueError("max_unread_outputs must be >= 0")
+        if self.stalled_stream_timeout <= 0.0:
+            raise ValueError("stalled_stream_timeout must be > 0")
         if not 0.0 < self.request_fair_share <= 1.0:
             raise ValueError("request_fair_share must be in (0, 1]")
         if self.num_threads is not None and self.num_threads < 1:

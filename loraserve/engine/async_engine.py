@@ -5,6 +5,12 @@ asyncio side talks to it through one thread-safe queue of typed commands (engine
 and gets outputs back through a per-request asyncio queue (`loop.call_soon_threadsafe`).
 Commands are applied between steps, so no step ever sees a half-changed store. Adapter files
 are read and validated on executor threads; only the commit runs on the engine thread.
+
+Backpressure: a request's output queue holds at most `max_unread_outputs` unread outputs.
+When it is full (its client does not read, so the handler does not pull), the request is
+paused: out of the running batch, its seat and KV given back. Reading resumes it; a request
+paused for `stalled_stream_timeout` seconds is ended by the engine. The queue's state lives on
+the event loop's thread only; the engine learns of it through Pause/Resume commands.
 """
 
 from __future__ import annotations
@@ -19,10 +25,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from loraserve.adapters.daemon_pool import DaemonPool
 from loraserve.adapters.format import read_adapter
+from loraserve.adapters.peft.budget import LoadBudget
 from loraserve.adapters.spill import spill_dir
 from loraserve.engine import messages as M
-from loraserve.types import FinishReason, RequestOutput, SamplingParams
+from loraserve.types import (
+    AdapterLoadCancelledError,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+)
 
 log = logging.getLogger("loraserve.engine")
 
@@ -49,14 +62,27 @@ class _Envelope:
 
 class RequestStream:
     """Outputs of one request. Iterating yields the latest RequestOutput (each carries the whole
-    output so far, so a slow consumer skips intermediate ones). `abort()` is idempotent."""
+    output so far, so a slow consumer skips intermediate ones). `abort()` is idempotent.
+    With `max_unread` > 0, that many unread outputs pause the request until the next read."""
 
-    def __init__(self, owner: AsyncEngine, request_id: str, q: asyncio.Queue):
+    def __init__(self, owner: AsyncEngine, request_id: str, q: asyncio.Queue,
+                 max_unread: int = 0):
         self.request_id = request_id
         self._owner = owner
         self._q = q
+        self.max_unread = max_unread
+        self.paused = False  # the engine was asked to pause it (event loop thread only)
         self.finished = False
         self.adapter_version: int | None = None  # set once admitted (adapter requests)
+
+    def _push(self, item) -> None:
+        """An item from the engine thread (event loop thread)."""
+        self._q.put_nowait(item)
+        if (self.max_unread and not self.paused and not self.finished
+                and isinstance(item, RequestOutput) and not item.finished
+                and self._q.qsize() >= self.max_unread):
+            self.paused = True
+            self._owner._send(M.PauseRequest(self.request_id))
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -67,6 +93,10 @@ class RequestStream:
         item = await self._q.get()
         while not self._q.empty():  # coalesce: only the newest state matters
             item = self._q.get_nowait()
+        if self.paused:  # read: room again
+            self.paused = False
+            if not (isinstance(item, RequestOutput) and item.finished):
+                self._owner._send(M.ResumeRequest(self.request_id))
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -81,15 +111,21 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Any, idle_poll_s: float = 0.01):
+    def __init__(self, engine: Any, idle_poll_s: float = 0.01, paused_poll_s: float = 0.5):
         self.engine = engine  # touched only by the engine thread (and tests)
         self.info: M.EngineInfo = engine.info  # fixed for the engine's lifetime
         self.tokenizer = engine.tokenizer  # read-only: the server tokenizes on its own threads
+        self.max_unread_outputs: int = engine.config.max_unread_outputs
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}
         self._idle_poll_s = idle_poll_s
+        self._paused_poll_s = paused_poll_s  # how often paused requests' time limit is checked
         self._thread: threading.Thread | None = None
         self.errors = 0  # unexpected step failures survived (for tests and metrics)
+        # admin loads: read on daemon threads, within a budget that shutdown cancels
+        self._loads: DaemonPool | None = None
+        self._closing = threading.Event()
+        self._reads: set[asyncio.Future] = set()  # admin loads waiting for their read
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -97,7 +133,17 @@ class AsyncEngine:
             self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
             self._thread.start()
 
+    def cancel_loads(self) -> None:
+        """End admin loads in progress with a 503 now (event loop thread); their reads stop
+        at their next budget check, and no read holds the process at exit (daemon threads)."""
+        self._closing.set()
+        for read in list(self._reads):
+            read.cancel()
+
     def shutdown(self, timeout: float = 10.0) -> None:
+        self.cancel_loads()
+        if self._loads is not None:
+            self._loads.shutdown()
         if self._thread is not None:
             self._cmds.put(_STOP)
             self._thread.join(timeout)
@@ -112,15 +158,16 @@ class AsyncEngine:
     async def add_request(self, prompt: M.Prompt, params: SamplingParams,
                           lora_name: str | None = None, request_id: str | None = None,
                           origin: str | None = None,
-                          fork_of: str | None = None) -> RequestStream:
+                          fork_of: str | None = None,
+                          client_id: str | None = None) -> RequestStream:
         """Queue a request; raises what `engine.add_request` raised (LoraServeError: 4xx).
         `fork_of`: an earlier request with the same prompt and adapter (n > 1) whose
         computed prompt this one shares instead of computing it again."""
         rid = request_id or f"req-{uuid.uuid4().hex}"
         q: asyncio.Queue = asyncio.Queue()
-        stream = RequestStream(self, rid, q)
-        cmd = M.AddRequest(rid, prompt, params, lora_name, origin, fork_of)
-        self._cmds.put(_Envelope(cmd, asyncio.get_running_loop(), q))
+        stream = RequestStream(self, rid, q, self.max_unread_outputs)
+        cmd = M.AddRequest(rid, prompt, params, lora_name, origin, fork_of, client_id)
+        self._cmds.put(_Envelope(cmd, asyncio.get_running_loop(), stream))
         try:
             first = await q.get()
         except BaseException:
@@ -143,7 +190,11 @@ class AsyncEngine:
             stream.abort()
 
     def abort(self, request_id: str) -> None:
-        self._cmds.put(_Envelope(M.AbortRequest(request_id)))
+        self._send(M.AbortRequest(request_id))
+
+    def _send(self, cmd: M.EngineCommand) -> None:
+        """A command whose reply nobody awaits."""
+        self._cmds.put(_Envelope(cmd))
 
     def abort_all(self, message: str, error_status: int = 503) -> None:
         """End every request in flight with an error (thread-safe, returns at once)."""
@@ -175,19 +226,36 @@ class AsyncEngine:
         try:
             same = await self._ask(M.CheckAdapterLoad(name, path, pinned, replace))
             weights = None
-            if not same:  # read + validate on an executor thread: decoding never stalls
-                info = self.info
-                weights = await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: read_adapter(path, info.model_config,
-                                               max_lora_rank=info.max_lora_rank,
-                                               allow_pickle=info.allow_pickle_adapters,
-                                               root=root))
+            if not same:  # read + validate on a worker thread: decoding never stalls
+                weights = await self._read(name, path, root)
             return await self._ask(M.LoadAdapter(name, path, pinned, weights, replace, version,
                                                  owned))
         except BaseException:
             if owned:
                 spill_dir().remove(path)
             raise
+
+    async def _read(self, name: str, path: str, root: str | None):
+        """The adapter read on a daemon worker within a load budget that shutdown cancels."""
+        info = self.info
+        if self._loads is None:
+            self._loads = DaemonPool(2, "lora-admin-load")
+        closing = self._closing
+        read = asyncio.wrap_future(self._loads.submit(  # the budget starts with the read
+            lambda: read_adapter(path, info.model_config, max_lora_rank=info.max_lora_rank,
+                                 allow_pickle=info.allow_pickle_adapters, root=root,
+                                 budget=LoadBudget(cancelled=closing))))
+        self._reads.add(read)
+        try:
+            return await read
+        except asyncio.CancelledError:
+            if not self._closing.is_set():
+                raise  # the caller went away
+            raise AdapterLoadCancelledError(
+                f"adapter {name!r}: the load was cancelled (the server is shutting down); "
+                "retry on another replica or later") from None
+        finally:
+            self._reads.discard(read)
 
     async def unload_lora_adapter(self, name: str) -> None:
         await self._ask(M.UnloadAdapter(name))
@@ -196,9 +264,14 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         while True:
-            if not self._drain(block=not engine.has_work):
+            idle = not engine.has_work
+            # paused requests are not work, but their time limit must still be checked
+            timeout = self._paused_poll_s if idle and engine.has_paused else None
+            if not self._drain(block=idle, timeout=timeout):
                 break
             if not engine.has_work:
+                for out in engine.expire_stalled():
+                    self._deliver(out)
                 continue
             try:
                 outputs = engine.step()
@@ -252,6 +325,8 @@ class AsyncEngine:
             entry = self._streams.pop(cmd.request_id, None)
             if entry is not None and result is not None:
                 _put(*entry, result)
+        elif isinstance(cmd, M.PauseRequest | M.ResumeRequest):
+            pass  # nobody awaits a reply: a request that ended meanwhile is simply not there
         else:
             env.loop.call_soon_threadsafe(_resolve, env.reply, result, exc)
 
@@ -285,9 +360,9 @@ class AsyncEngine:
             _put(loop, q, out)
 
 
-def _put(loop: asyncio.AbstractEventLoop, q: asyncio.Queue, item) -> None:
+def _put(loop: asyncio.AbstractEventLoop, stream: RequestStream, item) -> None:
     try:
-        loop.call_soon_threadsafe(q.put_nowait, item)
+        loop.call_soon_threadsafe(stream._push, item)
     except RuntimeError:  # the event loop is closed (shutdown): nobody is listening
         pass
 

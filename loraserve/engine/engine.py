@@ -10,6 +10,9 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -101,14 +104,18 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched, store = self.scheduler, self.store
         load_errors = store.prepare(sched.running_adapters(), sched.waiting_adapters())
-        ended = sched.fail_waiting(load_errors)
+        ended = sched.fail_waiting(load_errors) + self._end_stalled()
         batch = sched.schedule()
         self._count_prefix_hits(batch.admitted)
         sampled = []
         if batch:
             self.num_steps += 1
             self.runner.copy_blocks(batch.block_copies)  # forks' copies of a partial block
+            start = time.perf_counter()
             output, broken = self._execute(batch, store.bind(batch.adapter_uids))
+            if not broken:  # what steps cost sizes the next steps' prefill budget
+                sched.pace.observe(batch.num_decodes, batch.num_tokens - batch.num_decodes,
+                                   time.perf_counter() - start)
             ended += broken
             sampled = sched.update_from_output(batch, output)
             for req in self.output_processor.process(sampled):  # ended by a stop string
@@ -141,6 +148,32 @@ class LLMEngine:
                                       "internal error while computing this request", 500)
                 broken.append(seq.request)
         return StepOutput.concat(outputs), broken
+
+    def _end_stalled(self) -> list[Request]:
+        """End the paused requests whose client has not read for stalled_stream_timeout."""
+        timeout = self.config.stalled_stream_timeout
+        stalled = self.scheduler.stalled(timeout)
+        for req in stalled:
+            self.scheduler.finish(req, FinishReason.ERROR, f"the client did not read its stream "
+                                  f"for {timeout:g} s", error_status=408)
+        return stalled
+
+    def expire_stalled(self) -> list[RequestOutput]:
+        """Between steps, when nothing runs: the outputs of the requests `_end_stalled` ends."""
+        return [self._output(r) for r in self._end_stalled()]
+
+    def pause(self, request_id: str) -> bool:
+        """Its client does not read: out of the batch (seat and KV freed) until `resume`."""
+        req = self.requests.get(request_id)
+        return req is not None and self.scheduler.pause(req)
+
+    def resume(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        return req is not None and self.scheduler.resume(req)
+
+    @property
+    def has_paused(self) -> bool:
+        return bool(self.scheduler.paused)
 
     def _count_prefix_hits(self, admitted: list[Request]) -> None:
         """Prompt tokens asked of the prefix cache, and found, per adapter (first admission)."""
@@ -191,7 +224,8 @@ class LLMEngine:
 
     def add_request(self, prompt: M.Prompt, params: SamplingParams,
                     lora_name: str | None = None, request_id: str | None = None,
-                    origin: str | None = None, fork_of: str | None = None) -> Request:
+                    origin: str | None = None, fork_of: str | None = None,
+                    client_id: str | None = None) -> Request:
         ids = self.tokenize(prompt)
         if not ids:
             raise RequestTooLargeError("the prompt is empty")
@@ -223,7 +257,8 @@ class LLMEngine:
             # not the same prompt under the same weights, or its prompt's logits are wanted
             parent = None
         req = Request(request_id, ids, params, adapter_uid=uid, lora_name=lora_name,
-                      generator=gen, origin=origin, cache_namespace=namespace,
+                      generator=gen, origin=origin, client_id=client_id,
+                      cache_namespace=namespace,
                       fork_parent=parent)
         if uid is not None:  # the version it is bound to, for its outputs
             req.adapter_version = self.store.entries[uid].version
@@ -252,11 +287,16 @@ class LLMEngine:
         """Register `name` (with `replace`: a new version of it). `weights` may be pre-read
         off-thread; else it is read here. Returns the version now serving under `name`."""
         path = str(path)
+        read_s = None
         if weights is None and not self.store.check_new(name, path, pinned, replace):
+            t0 = time.perf_counter()
             weights = self.read_adapter(path)
+            read_s = time.perf_counter() - t0
         entry = self.store.register(name, path, weights, pinned,
                                     in_use=self.scheduler.running_adapters(), replace=replace,
                                     version=version, owned=owned)
+        if read_s is not None:  # read here (at start-up): the registration is its first load
+            entry.stats.last_load_seconds = entry.stats.total_load_seconds = read_s
         return entry.version
 
     def unload_lora_adapter(self, name: str) -> None:
@@ -265,12 +305,18 @@ class LLMEngine:
 
     def snapshot(self) -> M.EngineSnapshot:
         pool = self.kv.pool
+        sched = self.scheduler
+        waiting = Counter(r.adapter_uid for r in sched.waiting)
+        base_running = sum(1 for r in sched.running if r.adapter_uid is None)
         return M.EngineSnapshot(
-            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            running=len(sched.running), waiting=len(sched.waiting),
+            paused=len(sched.paused),
             kv_blocks_used=pool.num_used, kv_blocks_total=pool.num_blocks,
-            num_steps=self.num_steps, adapters=self.store.snapshot(),
+            num_steps=self.num_steps,
+            adapters=tuple(replace(a, waiting=waiting[a.uid]) for a in self.store.snapshot()),
             model_name=self.info.model_name, base_prefix_queries=self.base_prefix.prefix_queries,
-            base_prefix_hits=self.base_prefix.prefix_hits, kv_blocks_cached=pool.num_cached)
+            base_prefix_hits=self.base_prefix.prefix_hits, kv_blocks_cached=pool.num_cached,
+            base_waiting=waiting[None], base_in_flight=base_running + waiting[None])
 
     def check_invariants(self, awaited: tuple[str, ...] = ()) -> InvariantReport:
         """Every KV block, adapter refcount, slot and load accounted for (engine/invariants.py);
@@ -282,9 +328,13 @@ class LLMEngine:
         match cmd:
             case M.AddRequest():
                 return self.add_request(cmd.prompt, cmd.params, cmd.lora_name, cmd.request_id,
-                                        cmd.origin, cmd.fork_of)
+                                        cmd.origin, cmd.fork_of, cmd.client_id)
             case M.AbortRequest():
                 return self.abort(cmd.request_id)
+            case M.PauseRequest():
+                return self.pause(cmd.request_id)
+            case M.ResumeRequest():
+                return self.resume(cmd.request_id)
             case M.CheckAdapterLoad():
                 return self.store.check_new(cmd.name, cmd.path, cmd.pinned, cmd.replace)
             case M.LoadAdapter():

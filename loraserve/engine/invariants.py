@@ -30,7 +30,7 @@ class InvariantError(AssertionError):
 @dataclass(frozen=True)
 class InvariantReport:
     violations: tuple[str, ...]
-    requests: int  # live requests (running + waiting)
+    requests: int  # live requests (running + waiting + paused)
     kv_blocks_held: int  # blocks some live request holds
     kv_blocks_cached: int  # blocks indexed by the prefix cache (held or free)
     kv_blocks_total: int
@@ -75,7 +75,7 @@ def check_engine(engine: EngineParts, awaited: Iterable[str] = ()) -> InvariantR
     """`awaited`: request ids someone still waits on outputs for (the server's streams);
     each must be a live request, or its client waits forever."""
     sched, store, kv = engine.scheduler, engine.store, engine.kv
-    live = [*sched.running, *sched.waiting]
+    live = [*sched.running, *sched.waiting, *sched.paused.values()]
     ids = {r.request_id for r in live}
     problems = sched.check()
     lost = set(engine.requests) - ids

@@ -23,10 +23,25 @@ class AddRequest:
     lora_name: str | None = None
     origin: str | None = None  # sequences of one client request share it (fair admission)
     fork_of: str | None = None  # n > 1: the sibling whose computed prompt this one shares
+    client_id: str | None = None  # the client identity used for fairness (see Request)
 
 
 @dataclass(frozen=True)
 class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class PauseRequest:
+    """Its client does not read its stream: take it out of the batch until resumed."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class ResumeRequest:
+    """Its client read: schedule it again."""
+
     request_id: str
 
 
@@ -80,8 +95,8 @@ class AbortAll:
     error_status: int = 503
 
 
-EngineCommand = AddRequest | AbortRequest | CheckAdapterLoad | LoadAdapter | UnloadAdapter | \
-    GetSnapshot | AbortAll | CheckInvariants
+EngineCommand = AddRequest | AbortRequest | PauseRequest | ResumeRequest | CheckAdapterLoad | \
+    LoadAdapter | UnloadAdapter | GetSnapshot | AbortAll | CheckInvariants
 
 
 @dataclass(frozen=True)
@@ -112,6 +127,9 @@ class EngineSnapshot:
     base_prefix_queries: int = 0  # prompt tokens of base-model requests (see AdapterStats)
     base_prefix_hits: int = 0
     kv_blocks_cached: int = 0  # full blocks indexed by the prefix cache (held or free)
+    paused: int = 0  # requests whose client does not read their stream
+    base_in_flight: int = 0  # base-model requests running or waiting
+    base_waiting: int = 0
 
     @property
     def kv_usage(self) -> float:

@@ -10,6 +10,7 @@ crash never leaves a half-written model behind and concurrent processes convert 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import importlib.util
@@ -152,8 +153,9 @@ def _convert_into(gguf: Path, target: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))
     old = None
     try:
-        _convert(gguf, tmp)
-        (tmp / STAMP).write_text(json.dumps(_stamp(gguf)))
+        with _disk_errors_name(tmp):
+            _convert(gguf, tmp)
+            (tmp / STAMP).write_text(json.dumps(_stamp(gguf)))
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache entry should be readable
         if target.exists():  # stale or damaged entry: move it aside, then replace it
             old = Path(tempfile.mkdtemp(prefix=f".{name}.old-", dir=target.parent))
@@ -165,6 +167,23 @@ def _convert_into(gguf: Path, target: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
     took = time.monotonic() - start
     print(f"converted {gguf.name} into {target} in {took:.0f} s", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _disk_errors_name(where: Path) -> Iterator[None]:
+    """A write that fails for lack of space (or any OS error without a file name) is an
+    OSError naming `where`, so the caller can say in one line which directory is unusable;
+    safetensors reports a full disk as its own error type, turned into ENOSPC here."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), str(where)) from None
+    except Exception as e:
+        if "os error 28" in str(e) or "No space left on device" in str(e):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(where)) from None
+        raise
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:

@@ -14,16 +14,18 @@
       running one computes the next prompt block it would compute (same tokens, same weights);
     - the starvation bound: once a request has been refused by the cap or the slots for
       `starvation_steps` steps, nothing newer is admitted until it fits;
-    - the fair share: while requests of other origins (client requests) wait, one origin's
-      running sequences may hold at most `request_fair_share` of max_num_seqs and of the KV
-      cache (counting each sequence's prompt + max_tokens); its first sequence always may.
-      Work-conserving: what is left after every origin had its share goes to the deferred
-      (the scheduler's second pass), and alone a client request may use everything.
+    - the fair share: while requests of other clients wait, one client's running sequences
+      may hold at most `request_fair_share` of max_num_seqs and of the KV cache (counting each
+      sequence's prompt + max_tokens); its first sequence always may. Who counts as one
+      client is `share_key`'s answer: the client (fair scheduling) or one client request.
+      Work-conserving: what is left after every client had its share goes to the deferred
+      (the scheduler's second pass), and alone a client may use everything.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from enum import Enum
 from typing import Protocol
 
@@ -60,7 +62,8 @@ class Admission:
     """One step's admission state, built after the running requests took their share."""
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager, adapters: AdapterResidency,
-                 running: list[Request], token_budget: int, waiting: list[Request]):
+                 running: list[Request], token_budget: int, waiting: list[Request],
+                 share_key: Callable[[Request], str | None] = lambda r: r.origin):
         self.config = config
         self.kv = kv
         self.adapters = adapters
@@ -69,11 +72,12 @@ class Admission:
         self.batch_adapters: set[int | None] = {r.adapter_uid for r in running}
         self.starving = False
         self.enforce_share = True
-        self.waiting_origins = Counter(r.origin for r in waiting)
-        self.origin_seqs: Counter[str | None] = Counter(r.origin for r in running)
+        self.share_key = share_key
+        self.waiting_origins = Counter(share_key(r) for r in waiting)
+        self.origin_seqs: Counter[str | None] = Counter(share_key(r) for r in running)
         self.origin_tokens: Counter[str | None] = Counter()
         for r in running:
-            self.origin_tokens[r.origin] += footprint(r)
+            self.origin_tokens[share_key(r)] += footprint(r)
         share = config.request_fair_share
         self.max_origin_seqs = share * config.max_num_seqs
         self.max_origin_tokens = share * kv.capacity_tokens
@@ -110,13 +114,21 @@ class Admission:
         self.num_seqs += 1
         self.token_budget -= n
         self.batch_adapters.add(uid)
-        self.waiting_origins[req.origin] -= 1
-        self.origin_seqs[req.origin] += 1
-        self.origin_tokens[req.origin] += footprint(req)
+        origin = self.share_key(req)
+        self.waiting_origins[origin] -= 1
+        self.origin_seqs[origin] += 1
+        self.origin_tokens[origin] += footprint(req)
         return Decision.ADMIT, n
 
+    def release(self, req: Request) -> None:
+        """A running request left the batch (preempted to make room): its seat is free."""
+        origin = self.share_key(req)
+        self.num_seqs -= 1
+        self.origin_seqs[origin] -= 1
+        self.origin_tokens[origin] -= footprint(req)
+
     def _over_share(self, req: Request) -> bool:
-        origin = req.origin
+        origin = self.share_key(req)
         others_wait = sum(self.waiting_origins.values()) > self.waiting_origins[origin]
         if (not self.enforce_share or origin is None or not others_wait
                 or self.origin_seqs[origin] == 0):

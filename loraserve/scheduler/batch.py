@@ -22,6 +22,7 @@ class ScheduledBatch:
     # partial prompt block (the full ones are shared)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)  # from the waiting queue this step
+    num_decodes: int = 0  # entries that are decodes (the first ones); the rest is prefill
 
     @property
     def num_tokens(self) -> int:
@@ -36,7 +37,11 @@ class ScheduledBatch:
         self.entries.append(ScheduledSeq(req, num_tokens))
 
     def drop(self, req: Request) -> None:
-        self.entries = [e for e in self.entries if e.request is not req]
+        kept = [e for e in self.entries if e.request is not req]
+        if len(kept) < len(self.entries) and any(
+                e.request is req for e in self.entries[:self.num_decodes]):
+            self.num_decodes -= 1
+        self.entries = kept
 
     def __bool__(self) -> bool:
         return bool(self.entries)

@@ -1,14 +1,17 @@
 """Continuous batching: decodes keep running, new requests join, chunked prefill, preemption.
 
-`schedule()`: running requests first (a decode or the next prefill chunk), preempting the most
-recently admitted when the KV pool is full (recompute); then waiting requests in FCFS order
-through `Admission.try_add` (scheduler/admission.py: every admission rule, once).
+`schedule()`: running decodes first, preempting when the KV pool is full (recompute); then the
+prefill work, within a per-step budget that keeps decodes at their pace (step_pace.py): next
+chunks of running prompts and waiting requests through `Admission.try_add` (admission.py:
+every admission rule, once), in fair order between clients (fair_share.py) or FCFS.
+`pause()` / `resume()`: a request whose client does not read its stream leaves the batch.
 `update_from_output()`: the bookkeeping after the forward pass (computed tokens, sampled
 tokens, token-level stops), ending finished requests here. The scheduler never touches tensors.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable, Mapping
 
@@ -17,6 +20,8 @@ from loraserve.kvcache.manager import KVCacheManager
 from loraserve.request import Request, RequestStatus
 from loraserve.scheduler.admission import AdapterResidency, Admission, Decision
 from loraserve.scheduler.batch import ScheduledBatch, StepOutput
+from loraserve.scheduler.fair_share import VirtualTokenCounter, client_key
+from loraserve.scheduler.step_pace import StepPace
 from loraserve.types import FinishReason
 
 
@@ -33,6 +38,10 @@ class _NoAdapters:
         return not uids
 
 
+def _origin(req: Request) -> str | None:
+    return req.origin
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager,
                  adapters: AdapterResidency | None = None, eos_token_ids: Iterable[int] = (),
@@ -44,6 +53,12 @@ class Scheduler:
         self.max_model_len = max_model_len or config.max_model_len or 10**9
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
+        self.paused: dict[str, Request] = {}  # their clients do not read (see pause())
+        self.vtc = VirtualTokenCounter(config.fair_decode_weight)
+        self.pace = StepPace(config.decode_pace_factor, config.max_num_batched_tokens)
+        # whose share of the batch `request_fair_share` bounds: a client when scheduling is
+        # fair, else one client request (its n x prompts)
+        self.share_key = client_key if config.fair_scheduling else _origin
 
     # --- queue management -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -51,6 +66,7 @@ class Scheduler:
         request goes behind every other origin's k-th, so one client's fan-out (n x prompts)
         cannot hold everyone else's requests behind all of its own. Requests without an
         origin (the offline API) are first come, first served."""
+        self.vtc.arrive(req)
         if req.origin is None:
             self.waiting.append(req)
             return
@@ -68,10 +84,13 @@ class Scheduler:
         """End a request for any reason: out of the queues, its blocks back. Idempotent."""
         if req.is_finished:
             return
-        if req in self.running:
+        if req.status is RequestStatus.PAUSED:
+            del self.paused[req.request_id]
+        elif req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.vtc.leave(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
@@ -86,6 +105,37 @@ class Scheduler:
             self.finish(r, FinishReason.ERROR, errors[r.adapter_uid], error_status=400)
         return failed
 
+    def pause(self, req: Request) -> bool:
+        """Take a live request out of scheduling until `resume`: its client stopped reading
+        its stream, so it gives back its seat and its K/V (recomputed on resume; the prefix
+        cache keeps its full blocks while nobody needs them). False if it was not live."""
+        if req.is_finished or req.status is RequestStatus.PAUSED:
+            return False
+        if req in self.running:
+            self.running.remove(req)
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+        else:
+            self.waiting.remove(req)
+        req.status = RequestStatus.PAUSED
+        req.paused_at = time.monotonic()
+        self.paused[req.request_id] = req
+        return True
+
+    def resume(self, req: Request) -> bool:
+        """Back to the head of the waiting queue (it was admitted once already)."""
+        if self.paused.pop(req.request_id, None) is None:
+            return False
+        req.status = RequestStatus.WAITING
+        req.paused_at = None
+        self.waiting.appendleft(req)
+        return True
+
+    def stalled(self, timeout_s: float) -> list[Request]:
+        """Paused requests whose client has not read for `timeout_s` seconds."""
+        now = time.monotonic()
+        return [r for r in self.paused.values() if now - r.paused_at >= timeout_s]
+
     def running_adapters(self) -> set[int]:
         return {r.adapter_uid for r in self.running if r.adapter_uid is not None}
 
@@ -99,9 +149,9 @@ class Scheduler:
 
     def check(self) -> list[str]:
         """The queues' own consistency: each live request in exactly one queue, in the state
-        that queue means; waiting ones hold no KV; the running batch within its caps."""
+        that queue means; waiting and paused ones hold no KV; the running batch within its caps."""
         problems = []
-        ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+        ids = [r.request_id for r in (*self.running, *self.waiting, *self.paused.values())]
         if len(ids) != len(set(ids)):
             problems.append("a request is queued twice")
         for queue, status in ((self.running, RequestStatus.RUNNING),
@@ -110,7 +160,10 @@ class Scheduler:
                 if r.status is not status:
                     problems.append(f"{r.request_id} is {r.status.value} in the "
                                     f"{status.value} queue")
-        held = [r.request_id for r in self.waiting if r.block_table]
+        for r in self.paused.values():
+            if r.status is not RequestStatus.PAUSED:
+                problems.append(f"{r.request_id} is {r.status.value} among the paused")
+        held = [r.request_id for r in (*self.waiting, *self.paused.values()) if r.block_table]
         if held:
             problems.append(f"waiting requests hold KV blocks: {held[:4]}")
         cap = self.adapters.batch_cap
@@ -127,29 +180,53 @@ class Scheduler:
 
     # --- one step ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
+        """Decodes first (a running sequence never waits behind a prompt), then prefill work,
+        new admissions and the next chunks of long prompts, within the step's prefill budget
+        (scheduler/step_pace.py), in fair order between clients (scheduler/fair_share.py)."""
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        prefilling = []
         for req in list(self.running):
-            if req.status is not RequestStatus.RUNNING or budget == 0:
-                continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.can_allocate(req, n):
-                victim = self.running[-1]
-                self._preempt(victim, batch)
-                if victim is req:
-                    break
             if req.status is not RequestStatus.RUNNING:
-                continue
-            self.kv.allocate(req, n)
-            batch.add(req, n)
-            budget -= n
-        if not batch.preempted:
-            self._admit_waiting(batch, Admission(self.config, self.kv, self.adapters,
-                                                 self.running, budget, list(self.waiting)))
+                continue  # preempted on the way
+            if req.num_tokens - req.num_computed_tokens > 1:
+                prefilling.append(req)
+            elif budget > 0 and self._reserve(req, 1, batch):
+                batch.add(req, 1)
+                budget -= 1
+        batch.num_decodes = len(batch.entries)
+        for req, _ in batch.entries:
+            self.vtc.charge(req, decode_tokens=1)
+        prefill_budget = min(budget, self.pace.prefill_budget(batch.num_decodes,
+                                                              bool(prefilling)))
+        admission = Admission(self.config, self.kv, self.adapters, self.running, prefill_budget,
+                              list(self.waiting), self.share_key)
+        self._schedule_prefills(batch, admission, prefilling)
         batch.block_copies = self.kv.take_copies()
         return batch
 
-    def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
+    def _reserve(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
+        """KV for `n` more tokens of a running request, preempting (recompute) until they fit;
+        False if `req` itself was preempted."""
+        while not self.kv.can_allocate(req, n):
+            victim = self._victim()
+            self._preempt(victim, batch)
+            if victim is req:
+                return False
+        self.kv.allocate(req, n)
+        return True
+
+    def _victim(self) -> Request:
+        """Who gives back its KV when the pool is full: the most recently admitted request,
+        of the most served client when scheduling is fair."""
+        if not self.config.fair_scheduling:
+            return self.running[-1]
+        counter = self.vtc.counter
+        i = max(range(len(self.running)),
+                key=lambda i: (counter(client_key(self.running[i])), i))
+        return self.running[i]
+
+    def _preempt(self, req: Request, batch: ScheduledBatch, for_kv: bool = True) -> None:
         # Recompute: drop its K/V; it rejoins the head of the queue with prompt + output so far.
         self.running.remove(req)
         self.kv.free(req)
@@ -157,21 +234,54 @@ class Scheduler:
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
-        batch.preempted.append(req)
+        if for_kv:  # the pool is full: nobody is admitted this step
+            batch.preempted.append(req)
         batch.drop(req)
 
-    def _admit_waiting(self, batch: ScheduledBatch, admission: Admission) -> None:
-        deferred = []
-        for req in list(self.waiting):
-            decision, n = admission.try_add(req)
-            if decision is Decision.STOP:
-                return
-            if decision is Decision.OVER_SHARE:
-                deferred.append(req)
-            elif decision is Decision.ADMIT:
-                self._start(req, n, batch)
-        # What is left after every origin had its share goes to the deferred, in queue order:
-        # the share orders admission, it never leaves a seat empty.
+    def _make_seat(self, req: Request, batch: ScheduledBatch, admission: Admission) -> bool:
+        """Every seat is taken: free one for `req` if its client is owed it (fair_share.py)."""
+        if admission.starving or admission.num_seqs < self.config.max_num_seqs:
+            return False
+        victim = self.vtc.seat_victim(req, self.running, self.waiting, self.config.max_num_seqs)
+        if victim is None:
+            return False
+        self._preempt(victim, batch, for_kv=False)  # recomputed later, from the prefix cache
+        admission.release(victim)
+        return True
+
+    def _schedule_prefills(self, batch: ScheduledBatch, admission: Admission,
+                           prefilling: list[Request]) -> None:
+        """Running prompts' next chunks and waiting requests' admission, in fair order (FCFS,
+        running chunks first, when fair scheduling is off). No admission in a step that had to
+        preempt: the pool is full."""
+        fair = self.config.fair_scheduling
+        if fair:
+            order = self.vtc.order([*prefilling, *self.waiting])
+        else:
+            order = iter([*prefilling, *self.waiting])
+        deferred: list[Request] = []
+        admitting = True
+        for req in order:
+            if req.status is RequestStatus.RUNNING:
+                n = min(req.num_tokens - req.num_computed_tokens, admission.token_budget)
+                if n > 0 and self._reserve(req, n, batch):
+                    batch.add(req, n)
+                    admission.token_budget -= n
+                    self.vtc.charge(req, prefill_tokens=n)
+            elif admitting and req.status is RequestStatus.WAITING and not batch.preempted:
+                decision, n = admission.try_add(req)
+                if decision is Decision.STOP and fair and self._make_seat(req, batch, admission):
+                    decision, n = admission.try_add(req)
+                if decision is Decision.STOP:
+                    admitting = False  # running prompts may still take their chunks
+                elif decision is Decision.OVER_SHARE:
+                    deferred.append(req)
+                elif decision is Decision.ADMIT:
+                    self._start(req, n, batch)
+        if not admitting or batch.preempted:
+            return
+        # What is left after every client had its share goes to the deferred, in order: the
+        # share orders admission, it never leaves a seat empty.
         admission.enforce_share = False
         for req in deferred:
             decision, n = admission.try_add(req)
@@ -186,6 +296,7 @@ class Scheduler:
         self.running.append(req)
         batch.add(req, n)
         batch.admitted.append(req)
+        self.vtc.charge(req, prefill_tokens=n)
 
     def update_from_output(self, batch: ScheduledBatch, output: StepOutput) -> list[Request]:
         """Advance every scheduled request by the tokens it computed, append the sampled

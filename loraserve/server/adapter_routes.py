@@ -20,12 +20,15 @@ from loraserve.adapters.peft.files import max_weights_bytes
 from loraserve.adapters.versions import label
 from loraserve.engine.messages import EngineSnapshot
 from loraserve.server import protocol as P
+from loraserve.server.api_keys import Tenant
 from loraserve.server.context import ServerContext, parse_body
 from loraserve.server.errors import ApiError
 from loraserve.server.upload import receive_adapter
 from loraserve.types import is_valid_adapter_name
 
 log = logging.getLogger("loraserve.server")
+MAX_PATH_BYTES = 4095  # Linux's PATH_MAX less the terminating NUL
+MAX_NAME_BYTES = 255  # one path component (NAME_MAX)
 
 
 def check_name(ctx: ServerContext, name: str) -> None:
@@ -43,6 +46,12 @@ def resolve_path(path: str, root: str | None) -> str:
     escape: containment is checked on the fully resolved path)."""
     if not path or "\x00" in path:
         raise ApiError(400, "lora_path is empty or invalid", "invalid_adapter_path")
+    size = len(path.encode("utf-8", "surrogatepass"))
+    longest = max(len(part.encode("utf-8", "surrogatepass")) for part in path.split("/"))
+    if size > MAX_PATH_BYTES or longest > MAX_NAME_BYTES:
+        raise ApiError(400, f"lora_path is too long ({size} bytes, its longest part {longest}); "
+                            f"the limits are {MAX_PATH_BYTES} bytes and {MAX_NAME_BYTES} per "
+                            "part", "invalid_adapter_path")
     if root is None:
         return os.path.realpath(path)
     if ".." in path.replace("\\", "/").split("/"):
@@ -108,15 +117,20 @@ async def _listing(ctx: ServerContext, message: str, **extra) -> JSONResponse:
                          "object": "list", "data": cards})
 
 
-def model_cards(ctx: ServerContext, snap: EngineSnapshot, operator: bool) -> list[dict]:
+def model_cards(ctx: ServerContext, snap: EngineSnapshot, operator: bool,
+                tenant: Tenant | None = None) -> list[dict]:
     """The model list. `root` is where the weights live for the operator, and the model's or
-    adapter's own name for everyone else (server paths are the operator's business)."""
+    adapter's own name for everyone else (server paths are the operator's business). A tenant
+    sees only what it may use."""
     base = ctx.model_name
     root = ctx.model_path if operator else base
-    cards = [P.model_card(base, root=root, parent=None, tier="device", pinned=True)]
+    cards = []
+    if tenant is None or tenant.may_use(None):
+        cards.append(P.model_card(base, root=root, parent=None, tier="device", pinned=True,
+                                  in_flight=snap.base_in_flight, waiting=snap.base_waiting))
     live: dict[str, list] = {}
     for a in snap.adapters:
-        if a.registered:
+        if a.registered and (tenant is None or tenant.may_use(a.name)):
             live.setdefault(a.name, []).append(a)
     for name, versions in live.items():
         versions.sort(key=lambda a: a.version)
@@ -126,6 +140,7 @@ def model_cards(ctx: ServerContext, snap: EngineSnapshot, operator: bool) -> lis
             model_id = name if a is versions[-1] else label(name, a.version)
             cards.append(P.model_card(
                 model_id, root=a.path if operator else model_id, parent=base, tier=a.tier,
-                pinned=a.pinned, rank=a.rank, in_flight=a.refcount, version=a.version,
+                pinned=a.pinned, rank=a.rank, in_flight=a.refcount, waiting=a.waiting,
+                version=a.version,
                 **({"versions": numbers} if a is versions[-1] else {})))
     return cards

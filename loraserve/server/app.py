@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI-compatible routes over an AsyncEngine.
 
-Middleware order (outermost first): API keys, then the body size limit — so neither an
-unauthenticated nor an oversized request gets its body read.
+Middleware order (outermost first): the drain (shutting down: 503 to every new request),
+API keys, the tenants' limits, then the body size limit — so no unauthenticated, over-limit
+or oversized request gets its body read.
 """
 
 from __future__ import annotations
@@ -15,16 +16,24 @@ from loraserve.engine.async_engine import AsyncEngine
 from loraserve.server import adapter_routes, serving
 from loraserve.server.auth import AuthMiddleware
 from loraserve.server.context import ServerContext
-from loraserve.server.errors import install_error_handlers
+from loraserve.server.dashboard_routes import install_dashboard
+from loraserve.server.drain import DrainMiddleware
+from loraserve.server.errors import install_error_handlers, retry_headers
 from loraserve.server.limits import BodyLimitMiddleware
 from loraserve.server.openapi import openapi_schema
+from loraserve.server.quotas import QuotaMiddleware, TenantCollector
 from loraserve.server.settings import ServerSettings
+from loraserve.server.tenant_routes import reload_api_keys
 from loraserve.server.upload import UPLOAD_PATHS
 
 
-def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None,
+               enforce_quotas: bool = True) -> FastAPI:
+    """`enforce_quotas=False`: a replica behind an ingress, which enforces them for all."""
     settings = settings or ServerSettings()
     ctx = ServerContext(async_engine, settings)
+    if enforce_quotas:
+        ctx.metrics.registry.register(TenantCollector(ctx.quotas, ctx.keys))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -41,12 +50,16 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
     # add_middleware prepends: the last added is the outermost.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes,
                        streamed_paths=UPLOAD_PATHS)
-    app.add_middleware(AuthMiddleware, settings=settings)
+    if enforce_quotas:
+        app.add_middleware(QuotaMiddleware, gate=ctx.quotas)
+    app.add_middleware(AuthMiddleware, settings=settings, keys=ctx.keys)
+    app.add_middleware(DrainMiddleware, ctx=ctx)
 
     @app.get("/health")
     async def health() -> Response:
         if not async_engine.is_running:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
+            return JSONResponse({"status": "engine stopped"}, status_code=503,
+                                headers=retry_headers(503))
         return JSONResponse({"status": "ok"})
 
     @app.post("/v1/completions")
@@ -60,8 +73,13 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         snap = await async_engine.snapshot()
-        cards = adapter_routes.model_cards(ctx, snap, request.state.operator)
+        cards = adapter_routes.model_cards(ctx, snap, request.state.operator,
+                                           request.state.tenant)
         return JSONResponse({"object": "list", "data": cards})
+
+    @app.post("/v1/reload_api_keys")
+    async def reload_keys() -> Response:
+        return reload_api_keys(ctx)
 
     for prefix in ("/v1", ""):
         app.add_api_route(f"{prefix}/load_lora_adapter", _bind(adapter_routes.load, ctx),
@@ -84,12 +102,14 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
             "kv_blocks_used": snap.kv_blocks_used,
             "kv_blocks_free": snap.kv_blocks_total - snap.kv_blocks_used,
             "kv_blocks_total": snap.kv_blocks_total,
-            "running": snap.running, "waiting": snap.waiting,
+            "running": snap.running, "waiting": snap.waiting, "paused": snap.paused,
             "engine_errors": async_engine.errors,
             "adapters": [{"name": a.name, "uid": a.uid, "tier": a.tier, "pinned": a.pinned,
                           "refcount": a.refcount, "registered": a.registered,
                           "last_error": a.last_error} for a in snap.adapters],
         })
+
+    install_dashboard(app, settings)
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi() -> Response:

@@ -1,13 +1,18 @@
 """API keys, checked before a request body is read.
 
-- `--api-key`: every route but /health needs `Authorization: Bearer KEY` (the admin key works
-  too). Keys are compared with `hmac.compare_digest` (constant time, CVE-2025-59425).
+- `--api-key`: every route but /health and the dashboard's static files needs
+  `Authorization: Bearer KEY` (the admin key works too). Keys are compared with
+  `hmac.compare_digest` (constant time, CVE-2025-59425).
 - Adapter load/unload routes are off (403) unless `--admin-api-key` (then they need THAT key)
   or `--allow-runtime-lora-updates` (loopback hosts only; checked in ServerSettings).
-- What is the operator's (/debug/state, /debug/invariants, the server's file paths in
-  /v1/models) is shown to the operator only: a request bearing the admin key, or, with no
-  admin key set, any request to a server bound to a loopback host (its clients are on the
+- What is the operator's (/debug/state, /debug/invariants, /v1/reload_api_keys, the server's
+  file paths in /v1/models; with tenant keys also /metrics, which names every tenant and
+  adapter) is shown to the operator only: a request bearing the admin key, or, with no admin
+  key set, any request to a server bound to a loopback host (its clients are on the
   operator's machine).
+- `--api-keys-file`: tenant keys (api_keys.py). A tenant key passes wherever `--api-key` does;
+  the request then carries its Tenant (scope["state"]["tenant"]) for the adapter scope and
+  the limits. The admin key and `--api-key` carry none: they are not limited.
 """
 
 from __future__ import annotations
@@ -16,11 +21,15 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from loraserve.server import dashboard
+from loraserve.server.api_keys import KeyRing, Tenant
 from loraserve.server.errors import error_bytes
 from loraserve.server.settings import ServerSettings, is_loopback
 
-OPEN_PATHS = frozenset({"/health"})
-OPERATOR_PATHS = frozenset({"/debug/state", "/debug/invariants"})
+# the dashboard's static files hold no data; the page sends the key with what it fetches
+OPEN_PATHS = frozenset({"/health", *dashboard.PATHS})
+OPERATOR_PATHS = frozenset({"/debug/state", "/debug/invariants", "/v1/reload_api_keys"})
+TENANT_OPERATOR_PATHS = frozenset({"/metrics"})  # operator-only once tenants exist
 ADMIN_PATHS = frozenset({f"{prefix}/{verb}_lora_adapter" for prefix in ("/v1", "")
                          for verb in ("load", "unload", "upload")})
 
@@ -45,8 +54,10 @@ def is_operator(token: str | None, s: ServerSettings) -> bool:
     return is_loopback(s.host)
 
 
-def check_access(path: str, token: str | None, s: ServerSettings) -> tuple[int, str] | None:
-    """None if allowed, else (status, message)."""
+def check_access(path: str, token: str | None, s: ServerSettings,
+                 tenant: Tenant | None = None, tenants: bool = False) -> tuple[int, str] | None:
+    """None if allowed, else (status, message). `tenant`: the tenant the token is a key of;
+    `tenants`: whether a keys file is in force."""
     if path in OPEN_PATHS:
         return None
     if path in ADMIN_PATHS:
@@ -58,25 +69,35 @@ def check_access(path: str, token: str | None, s: ServerSettings) -> tuple[int, 
             if key_matches(token, s.admin_api_key):
                 return None
             return 401, "this route needs the admin API key (Authorization: Bearer ADMIN_KEY)"
-    if s.api_key and not (key_matches(token, s.api_key) or key_matches(token, s.admin_api_key)):
+        if tenant is not None:
+            return 403, "loading and unloading adapters is the operator's, not a tenant's"
+    if (s.api_key or tenants) and tenant is None and not (
+            key_matches(token, s.api_key) or key_matches(token, s.admin_api_key)):
         return 401, "invalid or missing API key (send Authorization: Bearer KEY)"
-    if path in OPERATOR_PATHS and not is_operator(token, s):
+    operator_only = path in OPERATOR_PATHS or (tenants and path in TENANT_OPERATOR_PATHS)
+    if operator_only and (tenant is not None or not is_operator(token, s)):
         return 403, "this route is for the server's operator (send the admin API key)"
     return None
 
 
 class AuthMiddleware:
-    def __init__(self, app: ASGIApp, settings: ServerSettings):
+    def __init__(self, app: ASGIApp, settings: ServerSettings, keys: KeyRing | None = None):
         self.app = app
         self.settings = settings
+        self.keys = keys or KeyRing(None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         token = bearer_token(scope)
-        denied = check_access(scope["path"].rstrip("/") or "/", token, self.settings)
+        admin = key_matches(token, self.settings.admin_api_key)
+        tenant = None if admin else self.keys.table.lookup(token)
+        operator = tenant is None and is_operator(token, self.settings)  # a tenant never is
+        denied = check_access(scope["path"].rstrip("/") or "/", token, self.settings, tenant,
+                              self.keys.active)
         if denied is None:
-            scope.setdefault("state", {})["operator"] = is_operator(token, self.settings)
+            state = scope.setdefault("state", {})
+            state["operator"], state["tenant"] = operator, tenant
             return await self.app(scope, receive, send)
         status, message = denied
         code = "invalid_api_key" if status == 401 else "forbidden"

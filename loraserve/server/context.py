@@ -13,8 +13,10 @@ from pydantic import BaseModel, ValidationError
 
 from loraserve.adapters.versions import split_model
 from loraserve.engine.async_engine import AsyncEngine
+from loraserve.server.api_keys import KeyRing, Tenant
 from loraserve.server.errors import ApiError, validation_error
 from loraserve.server.metrics import ServerMetrics
+from loraserve.server.quotas import QuotaGate
 from loraserve.server.settings import ServerSettings
 from loraserve.types import is_valid_adapter_name
 
@@ -29,6 +31,7 @@ class ServerContext:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
 
     draining: bool = False  # shutting down: no new requests, in-flight ones may finish
+    in_flight: int = 0  # HTTP requests being answered (drain.py counts them)
 
     def check_accepting(self) -> None:
         if self.draining:
@@ -41,11 +44,16 @@ class ServerContext:
         if self.draining:
             return
         self.draining = True
-        asyncio.get_running_loop().call_later(
+        loop = asyncio.get_running_loop()
+        loop.call_later(
             timeout_s, self.aengine.abort_all,
             f"the server shut down before this request finished ({timeout_s:g} s drain)")
+        loop.call_later(timeout_s, self.aengine.cancel_loads)
 
     def __post_init__(self) -> None:
+        s = self.settings
+        self.keys = KeyRing(s.api_keys_file, reserved=(s.api_key, s.admin_api_key))
+        self.quotas = QuotaGate()
         info = self.aengine.info
         self.model_name: str = info.model_name
         self.model_path: str = info.model_path
@@ -57,8 +65,16 @@ class ServerContext:
     def tokenizer(self):
         return self.aengine.tokenizer
 
-    def resolve_model(self, model: str | None) -> str | None:
-        """`model` -> adapter name, or None for the base model. Unknown names: 404."""
+    def resolve_model(self, model: str | None, tenant: Tenant | None = None) -> str | None:
+        """`model` -> adapter name, or None for the base model. Unknown names, and names
+        outside the tenant's scope (it cannot tell them from unknown ones): 404."""
+        name = self._resolve(model)
+        if tenant is not None and not tenant.may_use(
+                None if name is None else split_model(name)[0]):  # name@N: name's scope
+            raise self.model_not_found(model or self.model_name)
+        return name
+
+    def _resolve(self, model: str | None) -> str | None:
         if model is None or model in self.base_names:
             return None
         name = model

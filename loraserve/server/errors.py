@@ -2,7 +2,8 @@
 status; `param` names the request field at fault, when one is.
 
 Anything the client did wrong is a 4xx with a message that says what to fix; a 5xx is a bug
-(its traceback goes to the log, not to the client).
+(its traceback goes to the log, not to the client). Every 503 (a passing condition: shutting
+down, busy, a replica gone) carries Retry-After.
 """
 
 from __future__ import annotations
@@ -25,6 +26,16 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error"}
 
 
+RETRY_AFTER_S = 5  # a 503 that names no better time
+
+
+def retry_headers(status: int, retry_after_s: int | None = None) -> dict[str, str]:
+    """Retry-After for a 503 (or for any status given a time), else nothing."""
+    if retry_after_s is None and status == 503:
+        retry_after_s = RETRY_AFTER_S
+    return {} if retry_after_s is None else {"retry-after": str(retry_after_s)}
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, code: str | None = None,
                  retry_after_s: int | None = None, param: str | None = None):
@@ -41,7 +52,8 @@ def error_body(status: int, message: str, code: str | None = None,
 
 def error_response(status: int, message: str, code: str | None = None,
                    param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, code, param), status_code=status)
+    return JSONResponse(error_body(status, message, code, param), status_code=status,
+                        headers=retry_headers(status))
 
 
 def error_bytes(status: int, message: str, code: str | None = None) -> bytes:
@@ -78,16 +90,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api(_: Request, e: ApiError):
         response = error_response(e.status, e.message, e.code, e.param)
-        if e.retry_after_s is not None:
-            response.headers["retry-after"] = str(e.retry_after_s)
+        response.headers.update(retry_headers(e.status, e.retry_after_s))
         return response
 
     @app.exception_handler(LoraServeError)
     async def _engine(_: Request, e: LoraServeError):
         response = error_response(e.status, str(e), e.code)
-        retry = getattr(e, "retry_after_s", None)
-        if retry is not None:
-            response.headers["retry-after"] = str(retry)
+        response.headers.update(retry_headers(e.status, getattr(e, "retry_after_s", None)))
         return response
 
     @app.exception_handler(RequestValidationError)

@@ -44,13 +44,15 @@ class ServerMetrics:
                                       ["adapter"], buckets=_LATENCY, registry=r)
         self._snap: EngineSnapshot | None = None
         self._seen_loads: dict[int, tuple[int, float]] = {}  # uid -> (loads, total seconds)
-        self._labelled: set[str] = set()  # adapter names with series in the two metrics above
+        self._labelled: set[str] = set()  # adapter names with series in the metrics above
+        self._last_load: dict[str, float] = {}  # adapter -> seconds of its latest load seen
         r.register(_SnapshotCollector(self))
 
     # --- from the handlers ------------------------------------------------------------------
     def observe_load(self, adapter: str, seconds: float) -> None:
         self._labelled.add(adapter)
         self.load_seconds.labels(adapter).observe(seconds)
+        self._last_load[adapter] = seconds
 
     def count_adapter_tokens(self, adapter: str, n: int) -> None:
         self._labelled.add(adapter)
@@ -80,6 +82,7 @@ class ServerMetrics:
                 except KeyError:
                     pass
         self._labelled &= live
+        self._last_load = {k: v for k, v in self._last_load.items() if k in live}
 
 
 class RequestTimer:
@@ -123,6 +126,8 @@ class _SnapshotCollector:
             return
         yield _gauge("loraserve_num_requests_running", "Requests running", snap.running)
         yield _gauge("loraserve_num_requests_waiting", "Requests waiting", snap.waiting)
+        yield _gauge("loraserve_num_requests_paused",
+                     "Requests paused: their client does not read their stream", snap.paused)
         yield _gauge("loraserve_kv_cache_usage_ratio", "Fraction of KV blocks in use",
                      snap.kv_usage)
         yield _gauge("loraserve_kv_cache_blocks_used", "KV blocks in use", snap.kv_blocks_used)
@@ -135,8 +140,15 @@ class _SnapshotCollector:
                                       labels=["adapter"]),
             "pinned": GaugeMetricFamily("loraserve_adapter_pinned", "1 if pinned",
                                         labels=["adapter"]),
+            "last_load": GaugeMetricFamily(
+                "loraserve_adapter_last_load_seconds",
+                "How long its latest load took (through the API: read, validate, commit)",
+                labels=["adapter"]),
             "in_flight": GaugeMetricFamily("loraserve_adapter_requests_in_flight",
                                            "Requests holding the adapter", labels=["adapter"]),
+            "waiting": GaugeMetricFamily("loraserve_adapter_requests_waiting",
+                                         "Of those, requests waiting in the queue",
+                                         labels=["adapter"]),
             "requests": CounterMetricFamily("loraserve_adapter_requests",
                                             "Requests admitted", labels=["adapter"]),
             "host_hits": CounterMetricFamily("loraserve_adapter_host_hits",
@@ -179,6 +191,11 @@ class _SnapshotCollector:
             per["tier"].add_metric(name, TIERS[a.tier])
             per["pinned"].add_metric(name, int(a.pinned))
             per["in_flight"].add_metric(name, a.refcount)
+            per["waiting"].add_metric(name, a.waiting)
+            if a.version == newest[a.name] and a.name in self.m._last_load:
+                per["last_load"].add_metric(name, self.m._last_load[a.name])
+            elif a.stats.last_load_seconds:  # read by the engine (start-up, reloads)
+                per["last_load"].add_metric(name, a.stats.last_load_seconds)
             for key in ("requests", "host_hits", "loads", "host_evictions", "slot_evictions"):
                 per[key].add_metric(name, getattr(a.stats, key))
             for key, family in prefix.items():

@@ -18,16 +18,17 @@ from loraserve.adapters.versions import label, split_model
 from loraserve.engine.async_engine import RequestStream
 from loraserve.server import protocol as P
 from loraserve.server.context import ServerContext, parse_body
-from loraserve.server.errors import ApiError, error_body
+from loraserve.server.errors import ApiError, error_body, retry_headers
 from loraserve.server.formatting import DeltaTracker, LogprobFormatter, full_choice, is_error, sse
 from loraserve.server.metrics import RequestTimer
+from loraserve.server.quotas import record_usage
 from loraserve.types import SEED_RANGE, AdapterNotFoundError, SamplingParams
 
 
 async def completions(ctx: ServerContext, request: Request) -> Response:
     ctx.check_accepting()
     req = await parse_body(request, P.CompletionRequest)
-    lora = ctx.resolve_model(req.model)
+    lora = ctx.resolve_model(req.model, _tenant(request))
     prompts = req.prompts()
     if len(prompts) > ctx.settings.max_prompts:
         raise ApiError(400, f"{len(prompts)} prompts in one request; the limit is "
@@ -42,7 +43,7 @@ async def completions(ctx: ServerContext, request: Request) -> Response:
 async def chat_completions(ctx: ServerContext, request: Request) -> Response:
     ctx.check_accepting()
     req = await parse_body(request, P.ChatCompletionRequest)
-    lora = ctx.resolve_model(req.model)
+    lora = ctx.resolve_model(req.model, _tenant(request))
     _check_n(ctx, req.n)
     ids = await _tokenize(ctx, req.message_dicts())
     max_tokens = req.max_new_tokens
@@ -55,6 +56,20 @@ async def chat_completions(ctx: ServerContext, request: Request) -> Response:
 
 
 # --- validation -------------------------------------------------------------------------------
+
+
+def _tenant(request: Request):
+    """The tenant whose key sent the request (api_keys.py), or None."""
+    return request.scope.get("state", {}).get("tenant")
+
+
+def client_of(request: Request) -> str | None:
+    """The client identity for fairness between clients: the API key's tenant, else the
+    connection's address."""
+    tenant = _tenant(request)
+    if tenant is not None:
+        return tenant.name
+    return request.client.host if request.client else None
 
 
 def _check_n(ctx: ServerContext, n: int) -> None:
@@ -111,7 +126,7 @@ def _nth_seed(seed: int, j: int) -> int:
 
 
 async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: SamplingParams,
-                  lora: str | None) -> list[RequestStream]:
+                  lora: str | None, client_id: str | None) -> list[RequestStream]:
     """Admit prompts x n sequences, all or none. Choice index = prompt * n + j. Every
     sequence runs on one adapter version: the first one admitted fixes it (name@N) for the
     rest, whatever replaces happen meanwhile."""
@@ -127,7 +142,8 @@ async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: Samplin
 
     def add(job, model):
         prompt, sp, rid, fork_of = job
-        return ctx.aengine.add_request(prompt, sp, model, rid, origin=base_id, fork_of=fork_of)
+        return ctx.aengine.add_request(prompt, sp, model, rid, origin=base_id, fork_of=fork_of,
+                                       client_id=client_id)
 
     results = await asyncio.gather(add(jobs[0], lora), return_exceptions=True)
     if lora is not None and isinstance(results[0], RequestStream):
@@ -145,7 +161,7 @@ async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: Samplin
 
 
 async def _serve(ctx: ServerContext, request: Request, req, ids, params, lora, chat: bool):
-    streams = await _submit(ctx, req, ids, params, lora)
+    streams = await _submit(ctx, req, ids, params, lora, client_of(request))
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     model = req.model or ctx.model_name
     if lora is not None:  # the version the answer comes from
@@ -156,16 +172,19 @@ async def _serve(ctx: ServerContext, request: Request, req, ids, params, lora, c
     lp = LogprobFormatter(ctx.tokenizer, req.return_tokens_as_token_ids)
     if req.stream:
         gen = _stream(streams, timers, lp, rid, model, chat, req.include_usage, prompt_tokens,
-                      req.n)
+                      req.n, request.scope)
         return StreamingResponse(gen, media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
-    outs = await _collect(ctx, request, streams, timers)
+    try:
+        outs = await _collect(ctx, request, streams, timers)
+    finally:  # what the tenant used, for its tokens_per_minute (quotas.py)
+        record_usage(request.scope, prompt_tokens + sum(t.n for t in timers))
     if outs is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     for out in outs:
         if is_error(out):
             status, body = _error_of(out)
-            return JSONResponse(body, status_code=status)
+            return JSONResponse(body, status_code=status, headers=retry_headers(status))
     choices = [full_choice(i, out, lp, chat) for i, out in enumerate(outs)]
     completion = sum(len(o.token_ids) for o in outs)
     cached = sum(o.num_cached_tokens for o in outs[::req.n])  # each prompt once, as counted
@@ -234,7 +253,8 @@ async def _merge(streams: list[RequestStream]):
             fut.cancel()
 
 
-async def _stream(streams, timers, lp, rid, model, chat, include_usage, prompt_tokens, n):
+async def _stream(streams, timers, lp, rid, model, chat, include_usage, prompt_tokens, n,
+                  scope):
     trackers = [DeltaTracker(i, lp, chat) for i in range(len(streams))]
     completion = cached = 0
 
@@ -264,3 +284,4 @@ async def _stream(streams, timers, lp, rid, model, chat, include_usage, prompt_t
     finally:  # client gone (cancelled) or done: free every sequence's blocks now
         for s in streams:
             s.abort()
+        record_usage(scope, prompt_tokens + sum(t.n for t in timers))

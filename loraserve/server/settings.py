@@ -11,6 +11,7 @@ class ServerSettings:
     host: str = "127.0.0.1"
     api_key: str | None = None  # guards every route but /health
     admin_api_key: str | None = None  # enables runtime adapter load/unload, with THIS key
+    api_keys_file: str | None = None  # tenant keys: scope and limits (server/api_keys.py)
     allow_runtime_lora_updates: bool = False  # enables them without a key (loopback only)
     lora_root: str | None = None  # runtime loads must resolve inside this directory
     max_request_bytes: int = 1 << 20

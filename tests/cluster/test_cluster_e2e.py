@@ -228,6 +228,21 @@ def test_metrics_carry_a_replica_label(cluster):
     assert "loraserve_cluster_replicas 2" in text
 
 
+def test_the_ingress_serves_the_dashboard_and_its_data(cluster):
+    page = httpx.get(cluster.url + "/dashboard", timeout=30)
+    assert page.status_code == 200, page.text
+    assert page.headers["content-type"].startswith("text/html")
+    assert '<script type="module" src="/dashboard/app.js">' in page.text
+    js = httpx.get(cluster.url + "/dashboard/app.js", timeout=30)
+    assert js.headers["content-type"].startswith("text/javascript")
+    # loopback with runtime updates allowed: the page offers the admin actions
+    assert httpx.get(cluster.url + "/dashboard/access", timeout=30).json() == \
+        {"operator": True, "adapter_updates": True}
+    cards = httpx.get(cluster.url + "/v1/models", timeout=30).json()["data"]
+    sql = next(c for c in cards if c["id"] == "sql")
+    assert sql["waiting"] == 0 and all("waiting" in r for r in sql["replicas"])
+
+
 def test_killed_replica_is_replaced_and_requests_succeed(cluster, llm, files):
     import ray
 

@@ -44,14 +44,17 @@ def test_model_cards_merge_with_per_replica_residency():
         return {"id": mid, "parent": parent, "tier": tier, "pinned": False, "root": mid, **kw}
 
     merged = merge_cards({
-        "r1": [card("m", "device", None), card("b", "disk", in_flight=1, rank=None)],
-        "r2": [card("m", "device", None), card("b", "host", in_flight=2, rank=8),
+        "r1": [card("m", "device", None), card("b", "disk", in_flight=1, waiting=1,
+                                                    rank=None)],
+        "r2": [card("m", "device", None), card("b", "host", in_flight=2, waiting=0, rank=8),
                card("a", "disk")]})
     assert [c["id"] for c in merged] == ["m", "a", "b"]  # the base model first
     b = merged[2]
-    assert (b["tier"], b["in_flight"], b["rank"]) == ("host", 3, 8)  # best tier, summed
-    assert b["replicas"] == [{"replica": "r1", "tier": "disk", "pinned": False, "in_flight": 1},
-                             {"replica": "r2", "tier": "host", "pinned": False, "in_flight": 2}]
+    # best tier; requests summed
+    assert (b["tier"], b["in_flight"], b["waiting"], b["rank"]) == ("host", 3, 1, 8)
+    assert b["replicas"] == [
+        {"replica": "r1", "tier": "disk", "pinned": False, "in_flight": 1, "waiting": 1},
+        {"replica": "r2", "tier": "host", "pinned": False, "in_flight": 2, "waiting": 0}]
     assert [r["replica"] for r in merged[1]["replicas"]] == ["r2"]
 
 

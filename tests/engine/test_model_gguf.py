@@ -98,6 +98,31 @@ def test_a_file_that_is_not_gguf_is_one_line(tmp_path, monkeypatch):
                 if not p.name.endswith(".lock")]
 
 
+def test_a_full_cache_directory_is_one_line(files, tmp_path, monkeypatch, capsys):
+    """safetensors reports a full disk as its own error: the CLI still says it in one line,
+    naming the cache directory, and leaves no half-written entry."""
+    import transformers.modeling_utils as mu
+    from safetensors import SafetensorError
+
+    from loraserve.cli import main
+
+    def full(*a, **kw):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                              "(os error 28)")
+
+    monkeypatch.setattr(mu, "safe_save_file", full)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LORASERVE_CACHE", str(cache))
+    _, _, ggufs = files
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(ggufs["F32"]), "--prompt", "hi"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("loraserve generate: the cache directory") and "No space left" in err
+    assert "Traceback" not in capsys.readouterr().err
+    assert not [p for p in (cache / "models").iterdir() if not p.name.endswith(".lock")]
+
+
 def test_parsing_the_header_once_converts_byte_for_byte_the_same(files, tmp_path, monkeypatch):
     """The conversion memoizes gguf's reader and tensor-name table (model/gguf_parse_once.py);
     without that, transformers' own repeated parses give the very same files."""

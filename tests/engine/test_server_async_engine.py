@@ -103,3 +103,51 @@ def test_idle_thread_does_not_spin(aengine):
     t0 = time.clock_gettime(clock)
     time.sleep(0.5)
     assert time.clock_gettime(clock) - t0 < 0.02  # blocked on the command queue
+
+
+def test_client_id_reaches_the_request(aengine):
+    """The tenant that sent a request (the API key's name) is on the engine's Request."""
+    sp = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        stream = await aengine.add_request("hello", sp, request_id="tenant-req",
+                                           client_id="tenant-a")
+        try:
+            assert aengine.engine.requests["tenant-req"].client_id == "tenant-a"
+        finally:
+            stream.abort()
+        stream = await aengine.add_request("hello", sp, request_id="anon-req")
+        try:
+            assert aengine.engine.requests["anon-req"].client_id is None
+        finally:
+            stream.abort()
+
+    asyncio.run(main())
+
+
+def test_cancel_loads_answers_a_stuck_admin_load_at_once(aengine, monkeypatch, tmp_path):
+    """At the end of the drain a load still reading (a hung disk) gets a 503 at once."""
+    import threading
+    import time
+
+    from loraserve.types import AdapterLoadCancelledError
+
+    release = threading.Event()
+    monkeypatch.setattr("loraserve.engine.async_engine.read_adapter",
+                        lambda *a, **kw: release.wait(60))
+
+    async def main():
+        load = asyncio.create_task(aengine.load_lora_adapter("stuck", str(tmp_path)))
+        await asyncio.sleep(0.2)
+        assert not load.done()
+        t0 = time.monotonic()
+        aengine.cancel_loads()
+        with pytest.raises(AdapterLoadCancelledError) as ei:
+            await load
+        assert ei.value.status == 503 and time.monotonic() - t0 < 5
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        aengine._closing.clear()  # the module's engine serves the other tests

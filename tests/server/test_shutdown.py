@@ -1,12 +1,15 @@
-"""Graceful shutdown: on SIGTERM / SIGINT the server stops admitting, lets requests
-in flight finish within --shutdown-timeout, ends the rest with a well-formed 503 (streams: an
-error event, then [DONE]), and exits 0 without a traceback."""
+"""Graceful shutdown: on SIGTERM / SIGINT the server stops admitting (it keeps listening and
+answers new connections with 503 + Retry-After), lets requests in flight finish within
+--shutdown-timeout, ends the rest with a well-formed 503 (streams: an error event, then
+[DONE]), and exits 0 without a traceback."""
 
 from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -53,6 +56,7 @@ def test_requests_that_outlive_the_drain_end_well_formed(tiny_model_dir, tmp_pat
     server.stop()
     plain = got["plain"]
     assert plain.status_code == 503 and "shut down" in plain.json()["error"]["message"]
+    assert plain.headers["retry-after"]
     events = got["stream"]
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
@@ -60,22 +64,34 @@ def test_requests_that_outlive_the_drain_end_well_formed(tiny_model_dir, tmp_pat
     assert "Traceback" not in log and "CancelledError" not in log
 
 
-def test_short_requests_finish_and_new_ones_are_refused(tiny_model_dir, tmp_path):
+def test_short_requests_finish_and_new_ones_get_503_on_new_connections(tiny_model_dir,
+                                                                     tmp_path):
     server = start(tiny_model_dir, tmp_path, "20")
     model = model_of(server)
     body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True}
+    # a request that stays in flight until we let it go: its body never ends
+    holder = socket.create_connection(("127.0.0.1", server.port))
+    holder.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                   b"application/json\r\nContent-Length: 1000\r\n\r\n{")
     got: dict = {}
     t = threading.Thread(target=lambda: got.update(r=server.post("/v1/completions", body)))
     t.start()
     server.wait_busy()
     server.proc.send_signal(signal.SIGTERM)
-    try:  # the listener is closed, or the request is refused with a 503
-        late = httpx.post(server.url + "/v1/completions", json=body, timeout=10)
-        assert late.status_code == 503 and late.headers.get("retry-after")
-    except httpx.TransportError:
-        pass
+    deadline = time.monotonic() + 10
+    while httpx.get(server.url + "/health", timeout=10).status_code == 200:  # new connections
+        assert time.monotonic() < deadline, "the drain did not begin"
+        time.sleep(0.05)
+    for path, method in (("/v1/completions", "POST"), ("/health", "GET"),
+                         ("/v1/models", "GET")):
+        late = httpx.request(method, server.url + path, timeout=10,  # a new connection each
+                             json=body if method == "POST" else None)
+        assert late.status_code == 503 and late.headers["retry-after"] == "5", path
+        assert late.json()["error"]["code"] == "server_unavailable"
     t.join(60)
     assert got["r"].status_code == 200
     assert len(got["r"].json()["choices"][0]["text"]) > 0
+    assert server.proc.poll() is None  # still draining: the held request is in flight
+    holder.close()  # its client goes away: nothing is left in flight
     assert server.proc.wait(60) == 0
     server.stop()

@@ -58,8 +58,8 @@ def test_base_counts_as_one_adapter():
 
 def test_cap_counts_a_running_chunked_prefill():
     # a's long prompt is prefilled in 8-token chunks over four steps. b (a second adapter)
-    # fits a cap of 2 beside it; c (a third) waits until one of them is gone, even in steps
-    # where the whole budget goes to a's next chunk.
+    # fits a cap of 2 beside it, and goes before a's next chunk (it was served less); c (a
+    # third) waits until one of them is gone.
     s, _ = make(cap=2, max_num_batched_tokens=8)
     a, b, c = req("a", 1, n=30, max_tokens=20), req("b", 2, n=3), req("c", 3, n=3)
     s.add(a)
@@ -67,7 +67,7 @@ def test_cap_counts_a_running_chunked_prefill():
     s.add(b)
     s.add(c)
     second = s.schedule()
-    assert ids(second) == ["a"]  # budget spent on a's chunk; b was not even checked
+    assert ids(second) == ["b", "a"] and c in s.waiting and c.blocked_steps == 1
     advance(s, second)
     for _ in range(40):
         batch = s.schedule()

@@ -1,7 +1,8 @@
 """Property-based test (hypothesis, stateful) of the scheduler with the KV cache manager and
 the adapter store (fake slots and disk reads), stepped the way LLMEngine.step does with a fake
-forward pass. Random sequences of add (n > 1 forks, shared prefixes, several
-clients) / abort / step / load / unload (mid-flight) / pin / finish or break a disk read keep
+forward pass. Random sequences of add (n > 1 forks, shared prefixes, several clients) /
+abort / step / step costs that move the prefill budget / pause and resume (a client that does
+not read) / load / unload (mid-flight) / pin / finish or break a disk read keep
 every invariant of the engine's check (engine/invariants.py) between steps, and at the end
 every request still queued completes: nothing stalls, no block or refcount leaks."""
 
@@ -105,8 +106,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(adapter=st.sampled_from([None, *NAMES]), prefix=st.sampled_from(PREFIXES),
           tail=st.lists(st.integers(1, 9), max_size=5), n=st.integers(1, 3),
-          max_tokens=st.integers(1, 6), origin=st.sampled_from(["x", "y", None]))
-    def add(self, adapter, prefix, tail, n, max_tokens, origin):
+          max_tokens=st.integers(1, 6), origin=st.sampled_from(["x", "y", None]),
+          client=st.sampled_from(["c1", "c2", None]))
+    def add(self, adapter, prefix, tail, n, max_tokens, origin, client):
         eng = self.eng
         if adapter is not None and adapter not in eng.store.names:
             return  # a 404 at admission: nothing queued
@@ -117,7 +119,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             req = Request(f"r{next(self.ids)}", prefix + tail,
                           SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                           adapter_uid=uid, origin=origin, cache_namespace=ns,
-                          fork_parent=parent)
+                          fork_parent=parent, client_id=client)
             parent = parent or req
             eng.requests[req.request_id] = req
             eng.scheduler.add(req)
@@ -131,6 +133,18 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def step(self):
         self.eng.step()
+
+    @rule(decodes=st.integers(0, 5), prefill=st.integers(0, 40), ms=st.integers(1, 50))
+    def measured_step(self, decodes, prefill, ms):
+        self.eng.scheduler.pace.observe(decodes, prefill, ms / 1000)
+
+    @precondition(lambda self: self.eng.requests)
+    @rule(i=st.integers(0, 50), resume=st.booleans())
+    def pause_or_resume(self, i, resume):
+        sched = self.eng.scheduler
+        reqs = sorted(self.eng.requests)
+        req = self.eng.requests[reqs[i % len(reqs)]]
+        (sched.resume if resume else sched.pause)(req)
 
     @precondition(lambda self: self.eng.loader.pending)
     @rule(i=st.integers(0, 50), broken=st.booleans())
@@ -149,6 +163,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self):
         eng = self.eng
         eng.loader.broken.clear()
+        for req in list(eng.scheduler.paused.values()):  # their clients read again
+            eng.scheduler.resume(req)
         for _ in range(400):  # everything queued completes: no stall, no deadlock
             if not eng.scheduler.has_work:
                 break

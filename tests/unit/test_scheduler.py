@@ -87,19 +87,24 @@ def test_chunked_prefill_of_a_prompt_longer_than_the_budget():
     assert r.num_output_tokens == 3
 
 
-def test_token_budget_and_decodes_first():
-    s = make(max_num_batched_tokens=10)
+@pytest.mark.parametrize("fair", [True, False])
+def test_token_budget_and_decodes_first(fair):
+    s = make(max_num_batched_tokens=10, fair_scheduling=fair)
     reqs = [req(f"r{i}", n) for i, n in enumerate([3, 17, 9, 12, 2])]
     for r in reqs:
         s.add(r)
     full = 0
     while s.has_work:
         before = list(s.running)
+        decoding = [r for r in before if r.num_tokens - r.num_computed_tokens == 1]
         batch = step(s)  # asserts the budget
         full += batch.num_tokens == 10
-        # Running requests get their step (decode or next chunk) before anyone is admitted.
         scheduled = [q for q, _ in batch.entries]
-        assert scheduled[: len(before)] == before
+        # Decodes go first, every step; first come, first served also gives running prompts
+        # their next chunk before anyone is admitted.
+        assert scheduled[: len(decoding)] == decoding == scheduled[: batch.num_decodes]
+        if not fair:
+            assert scheduled[: len(before)] == before
     assert full >= 3 and s.kv.pool.num_free == s.kv.pool.num_blocks
     assert all(r.num_output_tokens == 4 for r in reqs)
 

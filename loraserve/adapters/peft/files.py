@@ -1,17 +1,17 @@
 """Opening an adapter's files with care, before anything is parsed: every file must resolve
-inside the allowed root (symlinks followed, per file, not only the folder), and a safetensors
-file's size and header are checked before a byte of its tensors is read."""
+inside the allowed root (symlinks followed, per file, not only the folder; hard links refused,
+since a hard link's other names can lie anywhere on the file system), each file is read from
+one open descriptor (what was checked is what is read), and a safetensors file's size and
+header are checked before a byte of its tensors is read."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
+from loraserve.adapters.peft.safetensors_header import TensorEntry, read_header
 from loraserve.config import LORA_MODULES, ModelConfig
-from loraserve.types import AdapterFormatError
-
-MAX_HEADER_BYTES = 16 << 20  # a LoRA header lists a few thousand tensors: far below this
+from loraserve.types import AdapterFilesChangedError, AdapterFormatError
 
 
 def _fail(path: object, problem: str) -> AdapterFormatError:
@@ -19,13 +19,31 @@ def _fail(path: object, problem: str) -> AdapterFormatError:
 
 
 def check_inside(file: Path, root: str | None, path: object) -> None:
-    """`file` (after every symlink) lies inside `root`; no root: anything goes."""
+    """`file` (after every symlink) lies inside `root` and is no hard link; no root: anything
+    goes."""
     if root is None:
         return
     real_root, real = os.path.realpath(root), os.path.realpath(file)
     if os.path.commonpath([real, real_root]) != real_root:
         raise _fail(path, f"{file.name} resolves outside the allowed directory (--lora-root; "
                           "symlinks are followed)")
+    if os.stat(real).st_nlink > 1:
+        raise _fail(path, f"{file.name} is a hard link (it has {os.stat(real).st_nlink} names); "
+                          "under --lora-root a file's other names may lie outside it, so "
+                          "adapter files must be plain files with one name")
+
+
+def read_limited(file: Path, max_bytes: int, path: object, what: str) -> bytes:
+    """The whole file, refused without reading it when it is larger than `max_bytes`."""
+    with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise _fail(path, f"{file.name} is {size} bytes; {what} is at most {max_bytes}")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise AdapterFilesChangedError(f"adapter {path}: {file.name} grew past {max_bytes} "
+                                       "bytes while it was read")
+    return data
 
 
 def max_weights_bytes(model_config: ModelConfig, max_lora_rank: int) -> int:
@@ -35,26 +53,25 @@ def max_weights_bytes(model_config: ModelConfig, max_lora_rank: int) -> int:
     return per_rank * max_lora_rank * model_config.num_hidden_layers * 8 + (1 << 20)
 
 
-def check_safetensors(file: Path, path: object, max_bytes: int) -> None:
-    """Refuse an oversized file, or one whose header does not describe exactly its bytes,
-    without reading its tensors."""
-    size = file.stat().st_size
-    if size > max_bytes:
-        raise _fail(path, f"{file.name} is {size} bytes, more than an adapter of this model "
-                          f"within max_lora_rank can hold ({max_bytes})")
+def max_tensors(model_config: ModelConfig) -> int:
+    """A bound on the header's entries, before any is looked at: an A and a B per LoRA module
+    of every layer, four times over (stray tensors are then refused by name)."""
+    return 4 * 2 * len(LORA_MODULES) * model_config.num_hidden_layers
+
+
+def open_safetensors(file: Path, path: object, max_bytes: int,
+                     model_config: ModelConfig) -> tuple[list[TensorEntry], bytes]:
+    """The validated header entries and the file's bytes. An oversized file, or one whose
+    header does not describe exactly its bytes, is refused before its tensors are read."""
     with open(file, "rb") as f:
-        head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
-            raise _fail(path, f"corrupt or truncated {file.name}: bad header length")
-        try:
-            header = json.loads(f.read(n))
-        except (ValueError, RecursionError):
-            raise _fail(path, f"corrupt {file.name}: its header is not JSON") from None
-    if not isinstance(header, dict):
-        raise _fail(path, f"corrupt {file.name}: its header is not a JSON object")
-    ends = [v.get("data_offsets", [0, 0])[1] for k, v in header.items()
-            if k != "__metadata__" and isinstance(v, dict)]
-    if 8 + n + max(ends, default=0) != size:
-        raise _fail(path, f"corrupt or truncated {file.name}: its header describes "
-                          f"{8 + n + max(ends, default=0)} bytes, the file has {size}")
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise _fail(path, f"{file.name} is {size} bytes, more than an adapter of this "
+                              f"model within max_lora_rank can hold ({max_bytes})")
+        entries = read_header(f, size, file.name, path, max_tensors(model_config))
+        f.seek(0)
+        data = f.read(size + 1)
+    if len(data) != size:
+        raise AdapterFilesChangedError(f"adapter {path}: {file.name} changed size while it "
+                                       "was read")
+    return entries, data

@@ -2,13 +2,20 @@
 (`check_target_module_exists`, `get_pattern_key`) over the module names of our decoders, Phi-3's
 fused ones (`qkv_proj`, `gate_up_proj`) included for a model whose checkpoint fuses them; and
 per targeted module its rank and scale. A target that names no module of the model, or one we
-cannot apply, is refused (a silent no-op adapter is a bug: vLLM #34186)."""
+cannot apply, is refused (a silent no-op adapter is a bug: vLLM #34186).
+
+PEFT's regexes (the composed ones, exactly as PEFT builds them) are compiled once per load into
+linear-time matchers (linear_regex.py); every loop over patterns or modules checks the load's
+budget (budget.py)."""
 
 from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 
+from loraserve.adapters.peft.budget import LoadBudget, check_pattern_count
+from loraserve.adapters.peft.linear_regex import PatternRefused, compile_linear
 from loraserve.config import ATTN_MODULES, LORA_MODULES, ModelConfig
 from loraserve.types import AdapterFormatError
 
@@ -57,14 +64,59 @@ def _suffix_match(targets, key: str) -> bool:
     return key in targets or any(key.endswith(f".{t}") for t in targets)
 
 
-def is_targeted(cfg: dict, key: str) -> bool:
+@dataclass(frozen=True)
+class ConfigPatterns:
+    """A config's regexes, compiled once: each `.match`/`.fullmatch` is PEFT's re call."""
+
+    target: object | None  # target_modules given as one regex (re.fullmatch)
+    exclude: object | None  # exclude_modules given as one regex (re.fullmatch)
+    layers: tuple  # layers_pattern, composed as PEFT composes it (re.match)
+    rank: tuple  # (regex, rank): get_pattern_key's composed regex for each rank_pattern key
+    alpha: tuple  # (regex, alpha), likewise
+
+
+# PEFT's own layer-index pattern: ours, not the file's, so Python's re runs it safely
+_DEFAULT_LAYERS = re.compile(r".*?\.[^.]*\.(?P<idx>\d+)\.")
+
+
+def compile_patterns(cfg: dict, path: object, budget: LoadBudget | None = None) -> ConfigPatterns:
+    """Every regex of a validated config as PEFT composes it, in linear-time form; a pattern
+    Python's `re` rejects or that cannot be matched in linear time is refused, named."""
+    check_pattern_count(cfg, path)
+    budget = budget or LoadBudget()
+
+    def compiled(field: str, user: str, composed: str):
+        budget.check(path, f"compiling {field}")
+        try:
+            return compile_linear(composed)
+        except PatternRefused as e:
+            raise _fail(path, f"{field} regex {user[:80]!r} is refused: {e}") from None
+
+    tm, ex, lp = cfg.get("target_modules"), cfg.get("exclude_modules"), cfg.get("layers_pattern")
+    target = compiled("target_modules", tm, tm) if isinstance(tm, str) and \
+        tm != "all-linear" else None
+    exclude = compiled("exclude_modules", ex, ex) if isinstance(ex, str) else None
+    if isinstance(tm, list) and tm and not lp:
+        layers = (_DEFAULT_LAYERS,)
+    else:
+        layers = tuple(compiled("layers_pattern", p, rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.")
+                       for p in ([lp] if isinstance(lp, str) else lp or []))
+
+    def by_key(field: str) -> tuple:
+        return tuple((compiled(field, k, rf"(.*\.)?({k})$"), v)
+                     for k, v in (cfg.get(field) or {}).items())
+
+    return ConfigPatterns(target, exclude, layers, by_key("rank_pattern"), by_key("alpha_pattern"))
+
+
+def is_targeted(cfg: dict, pats: ConfigPatterns, key: str) -> bool:
     """peft.tuners.tuners_utils.check_target_module_exists for a LoRA config."""
     ex = cfg.get("exclude_modules")
-    if ex and (re.fullmatch(ex, key) if isinstance(ex, str) else _suffix_match(ex, key)):
+    if ex and (pats.exclude.fullmatch(key) if isinstance(ex, str) else _suffix_match(ex, key)):
         return False
     tm = cfg["target_modules"]
     if isinstance(tm, str):
-        return re.fullmatch(tm, key) is not None  # layers_to_transform is ignored for a regex
+        return pats.target.fullmatch(key) is not None  # layers_to_transform is ignored then
     if key in tm:
         return True
     if not any(key.endswith(f".{t}") for t in tm):
@@ -72,45 +124,47 @@ def is_targeted(cfg: dict, key: str) -> bool:
     layers = cfg.get("layers_to_transform")
     if layers is None or layers == []:
         return True
-    lp = cfg.get("layers_pattern")
-    if not lp:
-        m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
-    else:
-        for pat in [lp] if isinstance(lp, str) else lp:
-            m = re.match(rf"(?:^|.*?\.){pat}\.(?P<idx>\d+)\.", key)
-            if m:
-                break
+    m = None
+    for pat in pats.layers:
+        m = pat.match(key)
+        if m:
+            break
     if not m:
         return False
     idx = int(m.group("idx"))
     return idx == layers if _is_int(layers) else idx in layers
 
 
-def _pattern_value(patterns: dict, key: str, default):
+def _pattern_value(patterns: tuple, key: str, default):
     """peft.utils.other.get_pattern_key: the first pattern matching a dotted suffix of key."""
-    for pat in patterns:
-        if re.match(rf"(.*\.)?({pat})$", key):
-            return patterns[pat]
+    for pat, value in patterns:
+        if pat.match(key):
+            return value
     return default
 
 
 def resolve_targets(
-    cfg: dict, mc: ModelConfig, path: object, max_lora_rank: int | None
+    cfg: dict, mc: ModelConfig, path: object, max_lora_rank: int | None,
+    budget: LoadBudget | None = None,
 ) -> dict[tuple[int, str], tuple[int, float]]:
     """(layer, module) -> (rank, scale) for every module the config targets."""
+    budget = budget or LoadBudget()
     names = _model_module_names(mc)
     modules = peft_modules(mc)
     lora_names = {full_name(i, m) for i in range(mc.num_hidden_layers) for m in modules}
     tm = cfg["target_modules"]
     if tm == "all-linear":  # PEFT's shorthand: every linear but the output layer
         cfg = {**cfg, "target_modules": list(modules)}
-    elif isinstance(tm, str):
-        bad = [n for n in names if n not in lora_names and is_targeted(cfg, n)]
-        if bad:
-            raise _fail(path, f"target_modules regex matches unsupported module {bad[0]!r} "
-                              f"(LoRA is supported on {', '.join(modules)})")
-    else:
+    pats = compile_patterns(cfg, path, budget)
+    if isinstance(tm, str) and tm != "all-linear":
+        for n in names:
+            budget.check(path, "matching target_modules")
+            if n not in lora_names and is_targeted(cfg, pats, n):
+                raise _fail(path, f"target_modules regex matches unsupported module {n!r} "
+                                  f"(LoRA is supported on {', '.join(modules)})")
+    elif tm != "all-linear":
         for t in tm:
+            budget.check(path, "matching target_modules")
             hits = [n for n in names if _suffix_match([t], n)]
             if not hits or any(n not in lora_names for n in hits):
                 raise _fail(path, f"target module {t!r} is not a LoRA-targetable module of this "
@@ -124,10 +178,11 @@ def resolve_targets(
     for i in range(mc.num_hidden_layers):
         for m in modules:
             key = full_name(i, m)
-            if not is_targeted(cfg, key):
+            budget.check(path, "matching rank_pattern and alpha_pattern")
+            if not is_targeted(cfg, pats, key):
                 continue
-            r = _pattern_value(cfg.get("rank_pattern") or {}, key, cfg.get("r", 8))
-            alpha = _pattern_value(cfg.get("alpha_pattern") or {}, key, cfg.get("lora_alpha", 8))
+            r = _pattern_value(pats.rank, key, cfg.get("r", 8))
+            alpha = _pattern_value(pats.alpha, key, cfg.get("lora_alpha", 8))
             if max_lora_rank is not None and r > max_lora_rank:
                 raise _fail(path, f"rank {r} of {key} exceeds max_lora_rank={max_lora_rank}")
             sqrt = cfg.get("use_rslora", False)

@@ -1,0 +1,71 @@
+"""The prefill token budget of one step, steered by measured step times (Sarathi-Serve's
+stall-free batching, with the budget found by feedback instead of fixed in advance).
+
+The goal: a step that carries prefill tokens beside D decodes takes at most `factor` times a
+decode-only step of those decodes. Both times are measured as the engine runs (`observe`):
+  - decode-only steps give the reference, an exponential average of their times. While a
+    long prompt keeps every step busy, one step in `probe_every` is left decode-only on
+    purpose (`prefill_budget` answers 0), so the reference follows the current batch and load;
+  - each step with prefill gives the ratio of its time to the reference, and the budget is
+    scaled by (factor / ratio), damped and bounded (halved at most, grown by at most 1.4x,
+    per step): over it shrinks, under it grows, only when the budget was what limited the
+    step (a few prompt tokens under budget say nothing about a larger budget).
+The budget stays within [min_chunk, max_tokens]: a long prompt always progresses. Before the
+first step is measured nothing caps it (the engine measures every step; model-free callers
+schedule as if uncapped); from then on it starts at `initial` until the loop moves it.
+
+Why feedback on measured times rather than a token count fixed in advance or derived from a
+fitted cost model: the same chunk costs about one decode step on a GPU and a hundred on a
+small CPU, a chunk deep in a long prompt costs more than the first (attention over everything
+before it), and on a shared host every step slows with the other processes. A ratio of two
+times measured close together is immune to the last, and the loop follows the first two. A
+fitted cost model (fixed + per-token) is not: its intercept absorbs the host's contention as
+"fixed cost", which opens the budget exactly when steps are slowest.
+"""
+
+from __future__ import annotations
+
+
+class StepPace:
+    def __init__(self, factor: float, max_tokens: int, min_chunk: int = 16,
+                 initial: int = 256, probe_every: int = 8, smoothing: float = 0.3):
+        self.factor = factor  # 0: no cap, every step may take max_tokens
+        self.max_tokens = max_tokens
+        self.min_chunk = min(min_chunk, max_tokens)
+        self.budget = float(max(self.min_chunk, min(initial, max_tokens)))
+        self.probe_every = probe_every
+        self.smoothing = smoothing  # weight of the newest decode-only time in the average
+        self.decode_s: float | None = None  # reference: a decode-only step's time
+        self.steps_since_reference = 0
+        self.observed = False
+
+    def prefill_budget(self, num_decodes: int, long_prefill: bool = False) -> int:
+        """Prefill tokens this step may carry beside `num_decodes` decodes. `long_prefill`: a
+        prompt is being prefilled over several steps, so decode-only steps do not come by
+        themselves; then one in `probe_every` is one (the answer is 0)."""
+        if self.factor <= 0.0 or not self.observed:  # nothing measured yet: no cap
+            return self.max_tokens
+        if num_decodes > 0 and long_prefill and (
+                self.decode_s is None or self.steps_since_reference >= self.probe_every):
+            return 0
+        return int(self.budget)
+
+    def observe(self, num_decodes: int, num_prefill: int, seconds: float) -> None:
+        """A step of `num_decodes` decodes and `num_prefill` prefill tokens took `seconds`."""
+        if seconds <= 0.0 or self.factor <= 0.0:
+            return
+        self.observed = True
+        if num_prefill == 0:
+            if num_decodes > 0:
+                a = self.smoothing if self.decode_s is not None else 1.0
+                self.decode_s = (1 - a) * (self.decode_s or 0.0) + a * seconds
+                self.steps_since_reference = 0
+            return
+        self.steps_since_reference += 1
+        if self.decode_s is None:
+            return
+        ratio = seconds / self.decode_s
+        if ratio <= self.factor and num_prefill < 0.9 * self.budget:
+            return  # the budget did not bind: no evidence that more would fit
+        scale = min(2.0, max(0.25, self.factor / ratio)) ** 0.5
+        self.budget = max(self.min_chunk, min(self.max_tokens, self.budget * scale))
