@@ -131,6 +131,14 @@ def write_result(name: str, data: dict) -> Path:
     return path
 
 
+def rss_mb(pid: int) -> float:
+    """Resident memory of process `pid` now, in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 

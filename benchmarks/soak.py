@@ -26,20 +26,13 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import Server, write_result  # noqa: E402
+from common import Server, rss_mb, write_result  # noqa: E402
 from soak_traffic import PROMPTS, Tally, churn, client  # noqa: E402
 
 from loraserve.bench.make_adapters import make_synthetic_adapters  # noqa: E402
 from loraserve.model.bundled import default_model_dir  # noqa: E402
 
 ADMIN = "soak-admin"
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 async def drive(url: str, pid: int, paths: dict, args, tally: Tally) -> dict:

@@ -43,7 +43,6 @@ from loraserve.lora.layout import (
     GroupLayout,
     Part,
     a_tiles,
-    b_strips,
     group_layouts,
     padded_rank,
 )
@@ -182,9 +181,7 @@ class LoraSlotPool:
                 o0, o1, c0, c1, boff = where[m]
                 a_t[g][:, o0 : o0 + r].copy_(mw.A.T)
                 block = rows[layer][g][1][boff : boff + (o1 - o0) * (c1 - c0)]
-                bt = mw.B.T  # [r, d_out]; rows past this layer's rank stay zero
-                for s0, w, off in b_strips(o1 - o0, c1 - c0, self.tile_width):
-                    block[off : off + (o1 - o0) * w].view(o1 - o0, w)[:r].copy_(bt[:, s0 : s0 + w])
+                write_b_strips(block, mw.B.T, o1 - o0, self.tile_width)
             for g, full in a_t.items():
                 d_in = self.layouts[g].d_in
                 for t0, w, off in a_tiles(ranks[g], d_in, self.tile_width):
@@ -251,3 +248,20 @@ class LoraSlotPool:
                 parts[m] = (row, row + r, c0, c0 + d, boff)
                 row, boff = row + r, boff + r * d
         return parts
+
+
+def write_b_strips(block: torch.Tensor, bt: torch.Tensor, rows: int, width: int) -> None:
+    """Copy a module's B.T [r, d_out] into its expand block (`rows` x d_out floats) cut into
+    strips as layout.b_strips lays them out; rows past r are left as they are (zero). The
+    full-width strips go in one strided copy: an update of a large adapter is thousands of
+    strips, written between two engine steps."""
+    r, d_out = bt.shape
+    full = d_out // width
+    if full:
+        # strip k: block[k*rows*width:][:rows*width] as [rows, width] = bt[:, k*width:][:width]
+        block[: full * rows * width].view(full, rows, width)[:, :r].copy_(
+            bt[:, : full * width].unflatten(1, (full, width)).transpose(0, 1))
+    if d_out % width:
+        c0 = full * width
+        block[c0 * rows : c0 * rows + rows * (d_out - c0)].view(rows, d_out - c0)[:r].copy_(
+            bt[:, c0:])

@@ -345,3 +345,25 @@ def test_tile_widths_lay_out_the_same_weights():
     with pytest.raises(ValueError, match="tile_width"):
         LoraSlotPool(CFG, 1, MAX_RANK, tile_width=32)
     assert not sgmv_cpu.accepts_tile(KERNEL, 32)
+
+
+@pytest.mark.parametrize("width", TILE_WIDTHS)
+@pytest.mark.parametrize(("r", "rows", "d_out"), [(5, 8, 96), (8, 8, 64), (3, 16, 40), (7, 8, 7)])
+def test_b_strips_are_written_as_laid_out(width, r, rows, d_out):
+    # the strided copy of the full strips and the narrow last one equal the layout's
+    # definition, strip by strip; rows past r keep what was there
+    from loraserve.adapters.slot_pool import write_b_strips
+
+    bt = torch.randn(r, d_out)
+    block = torch.full((rows * d_out,), 7.0)
+    write_b_strips(block, bt, rows, width)
+    for s0, w, off in b_strips(rows, d_out, width):
+        strip = block[off : off + rows * w].view(rows, w)
+        assert torch.equal(strip[:r], bt[:, s0 : s0 + w])
+        assert bool((strip[r:] == 7.0).all())
+    B = torch.randn(d_out, r)  # a transposed view, as the pool passes B.T
+    block.zero_()
+    write_b_strips(block, B.T, rows, width)
+    got = torch.cat([block[off : off + rows * w].view(rows, w)
+                     for _, w, off in b_strips(rows, d_out, width)], 1)
+    assert torch.equal(got[:r], B.T)

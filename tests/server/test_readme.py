@@ -182,10 +182,31 @@ def test_readme_commands_work_against_make_serve(make_serve, bundled_model_dir, 
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200
 
 
-def test_readme_python_snippet_runs(tmp_path):
-    (snippet,) = code_blocks("python")
-    code = snippet.replace("/path/to/peft_dir", str(DEMO_ADAPTER))
-    script = tmp_path / "snippet.py"
-    script.write_text(code)
-    out = run([sys.executable, str(script)])
-    assert out.strip(), "the snippet printed nothing"
+SERVER_URL = "http://127.0.0.1:8000"
+
+
+def test_readme_python_snippets_run(tmp_path):
+    """The offline snippets (those that need no server)."""
+    snippets = [b for b in code_blocks("python") if SERVER_URL not in b]
+    assert len(snippets) >= 2
+    for i, snippet in enumerate(snippets):
+        script = tmp_path / f"snippet{i}.py"
+        script.write_text(snippet.replace("/path/to/peft_dir", str(DEMO_ADAPTER)))
+        out = run([sys.executable, str(script)])
+        assert out.strip(), f"snippet {i} printed nothing"
+
+
+def test_readme_client_snippets_run_against_make_serve(make_serve, tmp_path):
+    """The snippets that talk to a server, with the adapter they sample from loaded."""
+    server, port = make_serve
+    r = httpx.post(server.url + "/v1/load_lora_adapter", timeout=60, json={
+        "lora_name": "policy", "lora_path": str(DEMO_ADAPTER), "replace": True})
+    assert r.status_code == 200, r.text
+    snippets = [b for b in code_blocks("python") if SERVER_URL in b]
+    assert snippets
+    for i, snippet in enumerate(snippets):
+        script = tmp_path / f"client{i}.py"
+        script.write_text(snippet.replace(SERVER_URL, server.url))
+        out = run([sys.executable, str(script)])
+        # the newest version (just loaded) sampled it
+        assert out.startswith(f"policy@{r.json()['version']} "), out
