@@ -186,6 +186,10 @@ class AdapterStore(StoreViews):
         """The content hash of the weights under `uid`: the K/V namespace of its requests."""
         return self._entries[uid].fingerprint
 
+    def version(self, uid: int) -> int:
+        """Which version of its name `uid` is (`name@N`)."""
+        return self._entries[uid].version
+
     def stats(self, uid: int) -> AdapterStats:
         return self._entries[uid].stats
 

@@ -261,7 +261,7 @@ class LLMEngine:
                       cache_namespace=namespace,
                       fork_parent=parent)
         if uid is not None:  # the version it is bound to, for its outputs
-            req.adapter_version = self.store.entries[uid].version
+            req.adapter_version = self.store.version(uid)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req

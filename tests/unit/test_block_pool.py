@@ -169,6 +169,9 @@ class BreakingStore:
     def fingerprint(self, uid):
         return "x"
 
+    def version(self, uid):
+        return 1
+
     def stats(self, uid):
         return AdapterStats()
 
