@@ -253,7 +253,7 @@ class AdapterStore:
             # double, within max_loaded_loras (host room was made before these weights came)
             self.slots.grow(max(slot + 1, min(2 * len(owners), self.max_loaded or 1 << 30)))
         self.slots.write(slot, weights)  # validates before it writes
-        entry.slot, entry.weights = slot, replace(weights, layers=())
+        entry.slot, entry.weights = slot, weights.description()
 
     def _prefetch_slots(self, window: list[int], protected: set[int]) -> None:
         filled = 0

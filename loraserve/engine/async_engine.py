@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from loraserve.adapters.format import read_adapter
 from loraserve.engine import messages as M
 from loraserve.types import FinishReason, RequestOutput, SamplingParams
 
@@ -72,7 +71,8 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine: Any, idle_poll_s: float = 0.01):
-        self.engine = engine  # touched only by the engine thread (and tests)
+        # touched only by the engine thread (and tests); its read_adapter reads no engine state
+        self.engine = engine
         self.info: M.EngineInfo = engine.info  # fixed for the engine's lifetime
         self.tokenizer = engine.tokenizer  # read-only: the server tokenizes on its own threads
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
@@ -160,12 +160,8 @@ class AsyncEngine:
         same = await self._ask(M.CheckAdapterLoad(name, path, pinned))
         weights = None
         if not same:  # read + validate on an executor thread: decoding never stalls
-            info = self.info
             weights = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: read_adapter(path, info.model_config,
-                                           max_lora_rank=info.max_lora_rank,
-                                           allow_pickle=info.allow_pickle_adapters,
-                                           root=root))
+                None, lambda: self.engine.read_adapter(path, root=root))
         await self._ask(M.LoadAdapter(name, path, pinned, weights))
 
     async def unload_lora_adapter(self, name: str) -> None:

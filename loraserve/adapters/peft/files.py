@@ -30,9 +30,15 @@ def check_inside(file: Path, root: str | None, path: object) -> None:
 
 def max_weights_bytes(model_config: ModelConfig, max_lora_rank: int) -> int:
     """The largest weights file an acceptable adapter can need: every module of every layer
-    at max_lora_rank in float64, plus room for the header."""
-    per_rank = sum(sum(model_config.module_shape(m)) for m in LORA_MODULES)
-    return per_rank * max_lora_rank * model_config.num_hidden_layers * 8 + (1 << 20)
+    at max_lora_rank in float64, with its bias and magnitude vectors, LoRA on the embedding
+    and lm_head, and four [V, d] tables (each end's copy and the base weight PEFT saves next
+    to a targeted embedding), plus room for the header."""
+    mc = model_config
+    per_rank = sum(sum(mc.module_shape(m)) for m in LORA_MODULES)
+    vectors = 2 * sum(mc.module_shape(m)[0] for m in LORA_MODULES)
+    vocab = mc.vocab_size + mc.hidden_size
+    return ((per_rank * max_lora_rank + vectors) * mc.num_hidden_layers
+            + 2 * vocab * max_lora_rank + 4 * mc.vocab_size * mc.hidden_size) * 8 + (1 << 20)
 
 
 def check_safetensors(file: Path, path: object, max_bytes: int) -> None:

@@ -1,0 +1,109 @@
+"""Every LoRA variant users train, served exactly as transformers + PEFT compute it, per row of
+one mixed batch: lora_bias, DoRA (with and without rsLoRA, on a model with q/k/v biases too),
+LoRA on embed_tokens and lm_head, modules_to_save copies of both, trainable tokens; untied and
+tied embeddings. Each adapter shares one `generate` call with plain LoRA and base rows; the
+reference runs each prompt alone through a float32 PeftModel (tests/lora_reference.py) and
+every adapter must change some tokens, so a part that was silently skipped cannot pass.
+Backends: the C kernel (`cpu`, with chunked prefill), `torch`, and `triton` (interpreted).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_multi_lora_reference import build_references, run_mixed
+
+from loraserve.config import ATTN_MODULES, LORA_MODULES, MLP_MODULES
+
+MAX_TOKENS = 8
+# trainable tokens: ids the prompts below contain (prompts are drawn from 4..511)
+TOKENS = [7, 40, 41, 42, 43, 44, 45, 46, 47, 48]
+
+# name -> build_peft_model keywords
+UNTIED = {
+    "plain": dict(r=8, lora_alpha=16, target_modules=ATTN_MODULES, seed=31),
+    "lora-bias": dict(r=8, lora_alpha=16, target_modules=LORA_MODULES, lora_bias=True,
+                      seed=32),
+    "dora": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+                 use_dora=True, seed=33, init_scale=1.0),
+    "dora-rslora": dict(r=16, lora_alpha=8, use_rslora=True, target_modules=LORA_MODULES,
+                        use_dora=True, seed=34, init_scale=1.0),
+    "embed-head": dict(r=8, lora_alpha=16, target_modules=["embed_tokens", "lm_head",
+                                                           "q_proj"], seed=35, init_scale=1.0),
+    "saved-copies": dict(r=4, lora_alpha=8, target_modules=MLP_MODULES, seed=36,
+                         modules_to_save=["lm_head", "embed_tokens"]),
+    "tokens": dict(r=4, lora_alpha=8, target_modules=["v_proj"], seed=37,
+                   trainable_token_indices=TOKENS),
+    "tokens-both-ends": dict(r=4, lora_alpha=8, target_modules=["v_proj"], seed=38,
+                             trainable_token_indices={"embed_tokens": TOKENS[:5],
+                                                      "lm_head": TOKENS[3:]}),
+}
+TIED = {
+    "plain": UNTIED["plain"],
+    "embed-head": UNTIED["embed-head"],
+    # PEFT ties lm_head's LoRA to the embedding's (lora_A = emb_B.T, lora_B = emb_A.T)
+    "embed-tied-head": dict(r=8, lora_alpha=16, target_modules=["embed_tokens"], seed=39,
+                            init_scale=1.0, ensure_weight_tying=True),
+    "saved-copies": UNTIED["saved-copies"],
+    "saved-embed-only": dict(r=4, lora_alpha=8, target_modules=["q_proj"], seed=40,
+                             modules_to_save=["embed_tokens"]),
+    # the embedding's new rows are lm_head's too (PEFT ties them)
+    "tokens": UNTIED["tokens"],
+    "dora": UNTIED["dora"],
+}
+
+
+def _prompts(names, seed: int, lengths=(3, 9, 21)) -> dict:
+    rng = random.Random(seed)
+    out = {}
+    for g in [*names, None]:
+        out[g] = [[rng.randrange(4, 512) for _ in range(n)] for n in lengths]
+        out[g][0][1:2] = [TOKENS[rng.randrange(len(TOKENS))]]  # a trainable token in each
+    return out
+
+
+@pytest.fixture(scope="module")
+def untied(tiny_model_dir, tmp_path_factory):
+    prompts = _prompts(UNTIED, 5)
+    paths, refs = build_references(tiny_model_dir, tmp_path_factory.mktemp("kinds"), UNTIED,
+                                   prompts, MAX_TOKENS)
+    return tiny_model_dir, prompts, paths, refs
+
+
+@pytest.fixture(scope="module")
+def tied(tiny_tied_model_dir, tmp_path_factory):
+    prompts = _prompts(TIED, 6)
+    paths, refs = build_references(tiny_tied_model_dir, tmp_path_factory.mktemp("kinds_tied"),
+                                   TIED, prompts, MAX_TOKENS)
+    return tiny_tied_model_dir, prompts, paths, refs
+
+
+def _check(setup, monkeypatch, backend: str, **knobs):
+    model_dir, prompts, paths, refs = setup
+    monkeypatch.setenv("LORASERVE_LORA_BACKEND", backend)
+    if backend == "triton":  # the interpreter is slow: each group's longest prompt
+        refs = {(g, 0): refs[(g, len(ps) - 1)] for g, ps in prompts.items()}
+        prompts = {g: ps[-1:] for g, ps in prompts.items()}
+    outs, trace, llm = run_mixed(model_dir, paths, prompts, MAX_TOKENS, **knobs)
+    assert llm.engine.info.lora_backend == backend
+    # all share a step (interpreted triton, with one prompt each in 16-token steps: several)
+    assert max(trace.distinct) >= (5 if backend == "triton" else len(prompts))
+    got = {key: out.token_ids for key, out in outs.items()}
+    assert got == refs, [k for k in refs if got[k] != refs[k]]
+    return trace
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch", "triton"])
+def test_untied_kinds_in_one_mixed_batch_equal_peft(untied, monkeypatch, backend):
+    trace = _check(untied, monkeypatch, backend, max_num_batched_tokens=16)
+    assert trace.chunks > 0
+
+
+def test_untied_kinds_unchunked(untied, monkeypatch):
+    _check(untied, monkeypatch, "cpu")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_tied_kinds_in_one_mixed_batch_equal_peft(tied, monkeypatch, backend):
+    _check(tied, monkeypatch, backend, max_num_batched_tokens=16)
