@@ -133,6 +133,8 @@ def resolve_targets(
                 plan[(i, m)] = _rank_scale(cfg, key, path, max_lora_rank)
     for key, name in VOCAB_MODULES.items():
         if is_targeted(cfg, key) or _tied_head(cfg, mc, key):
+            if cfg.get("use_dora"):
+                raise _fail(path, f"DoRA on {name} is not supported yet")
             plan[name] = _rank_scale(cfg, key, path, max_lora_rank)
     if not plan and not cfg.get("modules_to_save") and not cfg.get("trainable_token_indices"):
         raise _fail(path, "adapter_config targets no module of this model")
