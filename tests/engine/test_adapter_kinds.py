@@ -107,3 +107,35 @@ def test_untied_kinds_unchunked(untied, monkeypatch):
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_tied_kinds_in_one_mixed_batch_equal_peft(tied, monkeypatch, backend):
     _check(tied, monkeypatch, backend, max_num_batched_tokens=16)
+
+
+# Families where the epilogue meets other data: Qwen2's q/k/v biases (DoRA scales W x + s B A x,
+# not the base bias) and Phi-3's fused projections (DoRA's norm per row of the fused weight).
+FAMILY_CASES = {
+    "qwen2": ("qwen2", {
+        "dora": dict(r=8, lora_alpha=16, target_modules=ATTN_MODULES, use_dora=True, seed=41,
+                     init_scale=1.0),
+        "dora-rslora": dict(r=4, lora_alpha=8, use_rslora=True, use_dora=True, seed=42,
+                            target_modules=LORA_MODULES, init_scale=1.0),
+        "lora-bias": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "down_proj"],
+                          lora_bias=True, seed=43),
+    }),
+    "phi3": ("phi3", {
+        "dora": dict(r=8, lora_alpha=16, target_modules=["qkv_proj", "gate_up_proj"],
+                     use_dora=True, seed=44, init_scale=1.0),
+        "lora-bias": dict(r=8, lora_alpha=16, target_modules=["qkv_proj", "o_proj"],
+                          lora_bias=True, seed=45),
+    }),
+}
+
+
+@pytest.mark.parametrize("case", list(FAMILY_CASES))
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_family_kinds_equal_peft(case, backend, tmp_path, monkeypatch):
+    from model_factory import make_tiny_family
+
+    model_type, adapters = FAMILY_CASES[case]
+    base_dir = make_tiny_family(tmp_path / "base", model_type)
+    prompts = _prompts(adapters, 8)
+    paths, refs = build_references(base_dir, tmp_path, adapters, prompts, MAX_TOKENS)
+    _check((base_dir, prompts, paths, refs), monkeypatch, backend, max_num_batched_tokens=16)
