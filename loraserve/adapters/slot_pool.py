@@ -209,6 +209,12 @@ class LoraSlotPool:
         self.content[slot] = weights.fingerprint
         self.extras[slot] = extras
 
+    def release(self, slot: int) -> None:
+        """The slot's adapter left it: free its parts beyond B @ A now (a full lm_head copy
+        may be large); the packed rows stay until the next write zeroes them."""
+        self._check_slot(slot)
+        self.extras[slot] = None
+
     def before_step(self, slots) -> None:
         """A step is about to read `slots`: order it after their copies (GPU; else nothing)."""
         if self.copies is not None:

@@ -57,6 +57,9 @@ class SlotPool(Protocol):
 
     def before_step(self, slots: Iterable[int]) -> None: ...
 
+    def release(self, slot: int) -> None:
+        """The slot's adapter is gone: drop what it holds beyond the preallocated rows."""
+
 
 class AdapterStore:
     def __init__(self, slot_pool: SlotPool, loader: DiskLoader, *, max_loras_per_batch: int,
@@ -158,7 +161,9 @@ class AdapterStore:
 
     def _free(self, entry: AdapterEntry) -> None:
         self.loader.cancel(entry.uid)
-        entry.slot = None  # the next write zeroes the whole slot
+        if entry.slot is not None:
+            self.slots.release(entry.slot)  # the next write zeroes the whole slot
+        entry.slot = None
         entry.weights = None
         del self.entries[entry.uid]
         log.info("adapter %s freed (uid %d)", entry.name, entry.uid)
@@ -278,6 +283,8 @@ class AdapterStore:
             victim = pick_victim(self._host_entries(), protected)
             if victim is None:
                 return False
+            if victim.slot is not None:
+                self.slots.release(victim.slot)
             victim.slot = None
             victim.weights = None
             victim.stats.host_evictions += 1

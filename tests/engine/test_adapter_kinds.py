@@ -14,6 +14,7 @@ import random
 import pytest
 from test_multi_lora_reference import build_references, run_mixed
 
+from loraserve import SamplingParams
 from loraserve.config import ATTN_MODULES, LORA_MODULES, MLP_MODULES
 
 MAX_TOKENS = 8
@@ -139,3 +140,71 @@ def test_family_kinds_equal_peft(case, backend, tmp_path, monkeypatch):
     prompts = _prompts(adapters, 8)
     paths, refs = build_references(base_dir, tmp_path, adapters, prompts, MAX_TOKENS)
     _check((base_dir, prompts, paths, refs), monkeypatch, backend, max_num_batched_tokens=16)
+
+
+def test_decode_graphs_leave_steps_with_extra_parts_eager(untied):
+    # A recorded decode graph holds the B @ A deltas only: a step with a DoRA, lora_bias or
+    # vocabulary-part adapter runs eagerly, the others replay; every row keeps PEFT's tokens.
+    from test_decode_graphs import GREEDY, N, graph_llm
+
+    from loraserve.ops import elementwise
+
+    model_dir, prompts, paths, refs = untied
+    was = elementwise.fused_enabled()
+    elementwise.set_enabled(False)  # the GPU code path (test_decode_graphs.py)
+    try:
+        llm = graph_llm(model_dir, paths, max_bs=4, max_num_seqs=4)
+        order = [(g, 0) for g in prompts]
+        outs = llm.generate([prompts[g][0] for g, _ in order], GREEDY,
+                            lora=[g for g, _ in order])
+    finally:
+        elementwise.set_enabled(was)
+    assert {k: o.token_ids for k, o in zip(order, outs, strict=True)} == {
+        k: refs[k][:N] for k in order}
+    assert sum(g.replays for g in llm.engine.runner.graphs.graphs.values()) > 0
+
+
+def test_dora_scale_is_computed_once_at_load_as_peft_does(tiny_model_dir, tmp_path):
+    # m / ||W + s B A||_c per output row, from the engine's own (packed) base weights, equal to
+    # PEFT's DoraLinearLayer.get_weight_norm on the HF weights; the step never recomputes it.
+    import torch
+    from adapter_factory import build_peft_model
+
+    from loraserve import LLM
+
+    spec = dict(UNTIED["dora-rslora"], target_modules=["q_proj", "gate_proj", "down_proj"])
+    model = build_peft_model(tiny_model_dir, **spec)
+    model.save_pretrained(tmp_path / "d")
+    w = LLM(str(tiny_model_dir)).engine.read_adapter(tmp_path / "d")
+    for layer in range(2):
+        for name in ("self_attn.q_proj", "mlp.gate_proj", "mlp.down_proj"):
+            mod = model.base_model.model.model.layers[layer].get_submodule(name)
+            dora = mod.lora_magnitude_vector["default"]
+            with torch.no_grad():
+                norm = dora.get_weight_norm(mod.base_layer.weight, mod.get_delta_weight(
+                    "default") / mod.scaling["default"], mod.scaling["default"])
+            want = dora.weight.detach() / norm
+            got = w.layers[layer][name.split(".")[1]].col_scale
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_full_copies_count_in_the_adapter_memory(tiny_model_dir, untied):
+    # modules_to_save holds a [V, d] copy of lm_head and of embed_tokens: the adapter's bytes
+    # and the adapter memory (the slot pool) count both; the host entry keeps no second copy.
+    from loraserve import LLM
+
+    _, _, paths, _ = untied
+    llm = LLM(str(tiny_model_dir), lora_paths={"p": paths["plain"]})
+    pool = llm.engine.slot_pool
+    before = pool.nbytes
+    copies = 2 * 512 * 64 * 4
+    w = llm.engine.read_adapter(paths["saved-copies"])
+    assert w.nbytes >= copies
+    llm.load_lora_adapter("s", paths["saved-copies"])
+    llm.generate([[5, 6]], SamplingParams(max_tokens=1), lora=["s"])
+    assert pool.nbytes >= before + copies
+    entry = llm.engine.store.entries[llm.engine.store.names["s"]]
+    assert entry.weights.vocab is None and entry.weights.nbytes == w.nbytes
+    llm.unload_lora_adapter("s")
+    llm.generate([[5, 6]], SamplingParams(max_tokens=1))
+    assert pool.nbytes == before
