@@ -27,7 +27,7 @@ from loraserve.adapters.peft.kinds import refusal
 from loraserve.adapters.peft.modules import LoraModuleWeights, module_weights, unfused
 from loraserve.adapters.peft.regex_guard import unsafe_reason
 from loraserve.adapters.peft.targets import full_name, resolve_targets
-from loraserve.adapters.peft.vocab_ends import check_vocab_config, vocab_parts
+from loraserve.adapters.peft.vocab_ends import check_vocab_config, check_vocab_size, vocab_parts
 from loraserve.config import ModelConfig
 from loraserve.lora.extras import VocabParts
 from loraserve.types import AdapterFormatError
@@ -217,6 +217,7 @@ def read_adapter(
     tensors, data = _load_tensors(Path(path), path, allow_pickle, root,
                                   max_weights_bytes(mc, max_lora_rank))
     fingerprint = hashlib.sha256(hashlib.sha256(raw_cfg).digest() + data).hexdigest()
+    check_vocab_size(tensors, mc, path)
     parts: dict[tuple[int, str] | str, dict[str, tuple[str, torch.Tensor]]] = {}
     for key, t in tensors.items():
         target, part = parse_key(key, path)

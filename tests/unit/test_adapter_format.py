@@ -332,14 +332,27 @@ def test_refuse_adapters_that_change_the_vocabulary_size(base_dir, mc, tmp_path)
     make_peft_adapter(base_dir, tmp_path / "a", modules_to_save=["lm_head"])
     edit_tensors(tmp_path / "a", lambda t: t.update(
         {"base_model.model.lm_head.weight": torch.ones(130, 64)}))
-    refuse(tmp_path / "a", mc, "lm_head has 130 rows", "vocabulary size are not supported")
+    refuse(tmp_path / "a", mc, "spans 130 tokens", "vocabulary size are not supported")
     make_peft_adapter(base_dir, tmp_path / "b", trainable_token_indices=[3, 127])
     edit_config(tmp_path / "b", trainable_token_indices=[3, 128])
     refuse(tmp_path / "b", mc, "trainable_token_indices", "outside the model's vocabulary")
     make_peft_adapter(base_dir, tmp_path / "c", target_modules=["embed_tokens"])
     edit_tensors(tmp_path / "c", lambda t: t.update({
         "base_model.model.model.embed_tokens.base_layer.weight": torch.ones(140, 64)}))
-    refuse(tmp_path / "c", mc, "embed_tokens has 140 rows")
+    refuse(tmp_path / "c", mc, "spans 140 tokens")
+
+
+@pytest.mark.parametrize("kind", [
+    dict(trainable_token_indices=[5, 7]), dict(modules_to_save=["embed_tokens", "lm_head"]),
+    dict(target_modules=["q_proj", "embed_tokens"])])
+def test_refuse_adapters_peft_saved_from_a_resized_vocabulary(base_dir, mc, tmp_path, kind):
+    import peft
+
+    model = load_base_model(base_dir)
+    model.resize_token_embeddings(136, mean_resizing=False)
+    config = peft.LoraConfig(r=4, **{"target_modules": ["q_proj"], **kind})
+    peft.get_peft_model(model, config).save_pretrained(tmp_path)
+    refuse(tmp_path, mc, "spans 136 tokens", "vocabulary size are not supported")
 
 
 def test_full_copies_count_in_the_adapters_memory(base_dir, mc, tmp_path):

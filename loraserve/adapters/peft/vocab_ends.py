@@ -73,6 +73,26 @@ def check_vocab_config(cfg: dict, mc: ModelConfig | None, path: object) -> None:
                           "embeddings is not supported yet")
 
 
+def check_vocab_size(tensors: dict[str, torch.Tensor], mc: ModelConfig, path: object) -> None:
+    """Refuse, before anything else is parsed, an adapter saved from a model whose vocabulary
+    was resized: any embedding or lm_head table, or its LoRA's vocabulary side, of another
+    size than the model's."""
+    for key, t in tensors.items():
+        if ("embed_tokens" not in key and "lm_head" not in key) or t.dim() != 2:
+            continue
+        if "lora_embedding_A" in key:
+            rows = t.shape[1]
+        elif "lm_head" in key and ".lora_B" in key or not any(
+                k in key for k in ("lora_A", "lora_embedding_B", "trainable_tokens_delta")):
+            rows = t.shape[0]
+        else:
+            continue
+        if rows != mc.vocab_size:
+            raise _fail(path, f"tensor {key!r} spans {rows} tokens, the model's vocabulary "
+                              f"{mc.vocab_size}: adapters that change the vocabulary size are "
+                              f"not supported")
+
+
 def vocab_parts(path: object, cfg: dict, mc: ModelConfig, plan: dict, parts: dict,
                 base: BaseWeights | None) -> VocabParts | None:
     """This adapter's VocabParts (None: it has none). `plan`: end -> (rank, scale) of the
