@@ -88,7 +88,9 @@ class VocabParts:
             h.add_(F.embedding(ids, a_t) @ b_t)
 
     def head(self, x: torch.Tensor, logits: torch.Tensor) -> None:
-        """logits: [n, V] the base output layer's of x [n, d], made this adapter's, in place."""
+        """logits: [n, V] the base output layer's of x [n, d], made this adapter's, in place.
+        In float32, as the parts are kept (a bf16 model's rows are widened)."""
+        x = x.to(torch.float32)
         if self.head_table is not None:
             logits.copy_(F.linear(x, self.head_table))
         if self.head_rows is not None:
