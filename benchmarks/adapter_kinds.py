@@ -5,8 +5,9 @@ Three PEFT adapters (rank 16 on all seven modules, random weights): `plain`; `do
 with use_dora: a per-column scale on its rows after every projection); `vocab` (the same plus
 LoRA on embed_tokens and lm_head: a lookup and a [V, r] expand on its rows). Each run is one
 `generate` of 16 base + 16 adapter requests (64 tokens in, 32 out, greedy, ignore EOS) in one
-batch. Runs alternate plain, dora, plain, vocab, ... (A/B), and each ratio is the median over
-rounds of the kind's time over its round's plain time, so the machine's drift cancels.
+batch. Runs alternate plain, dora, plain, vocab, ... (A/B, each pair's order swapped every
+round), and each ratio is the median over rounds of the kind's time over its pair's plain
+time, so the machine's drift cancels.
 
     .venv/bin/python benchmarks/adapter_kinds.py [--rounds 5]
 """
@@ -67,12 +68,14 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16, help="adapter rows (and base rows)")
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--out-len", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's; 1 on a host shared with other jobs)")
     args = ap.parse_args()
 
     model_dir = default_model_dir()
     paths = make_adapters(model_dir, scratch_dir("adapter_kinds_"), args.rank)
     llm = LLM(model_dir, lora_paths=paths, max_lora_rank=args.rank,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, num_threads=args.threads)
     n = args.requests
     prompts = random_prompts(2 * n, args.input_len, llm.engine.model_config.vocab_size)
     steps = StepTimes()
@@ -85,10 +88,14 @@ def main() -> None:
     for kind in KINDS:  # warm-up: every adapter resident, first-touch costs paid
         run(kind)
     times: dict[str, list[tuple[float, float, float]]] = {k: [] for k in KINDS}
-    for _ in range(args.rounds):
+    for i in range(args.rounds):
         for kind in ("dora", "vocab"):
-            times["plain"].append(run("plain"))
-            times[kind].append(run(kind))
+            # each pair's order alternates, so a warm or cold first run favours neither side
+            first, second = ("plain", kind) if i % 2 == 0 else (kind, "plain")
+            times[first].append(run(first))
+            times[second].append(run(second))
+            print(f"round {i}: plain {times['plain'][-1][0]:.3f}s, {kind} "
+                  f"{times[kind][-1][0]:.3f}s", flush=True)
     result = {"rank": args.rank, "requests": f"{n} adapter + {n} base rows",
               "input_len": args.input_len, "out_len": args.out_len, "rounds": args.rounds}
     for kind in ("dora", "vocab"):

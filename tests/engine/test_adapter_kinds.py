@@ -208,3 +208,28 @@ def test_full_copies_count_in_the_adapter_memory(tiny_model_dir, untied):
     llm.unload_lora_adapter("s")
     llm.generate([[5, 6]], SamplingParams(max_tokens=1))
     assert pool.nbytes == before
+
+
+@pytest.mark.slow
+def test_bundled_kinds_equal_peft(bundled_model_dir, tmp_path):
+    # SmolLM2-135M-Instruct (tied embeddings, 49152 tokens): DoRA, LoRA on embed_tokens and
+    # lm_head, and trainable tokens, with base rows, in one batch.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(bundled_model_dir))
+    texts = {"dora": ["The capital of France is", "def add(a, b):\n    return"],
+             "vocab": ["Water boils at", "SELECT * FROM users WHERE"],
+             "tokens": ["The quick brown fox", "My favourite colour is"],
+             None: ["The sun rises in the", "Dear team, thank you for"]}
+    prompts = {g: [tok.encode(t) for t in ts] for g, ts in texts.items()}
+    specs = {"dora": dict(r=8, lora_alpha=16, target_modules=LORA_MODULES, use_dora=True,
+                          seed=51, init_scale=0.5),
+             "vocab": dict(r=8, lora_alpha=16, target_modules=["embed_tokens", "lm_head",
+                                                               "q_proj"], seed=52),
+             "tokens": dict(r=4, lora_alpha=8, target_modules=["v_proj"], seed=53,
+                            trainable_token_indices=sorted({p[1] for p in prompts["tokens"]}))}
+    paths, refs = build_references(bundled_model_dir, tmp_path, specs, prompts, 4)
+    outs, trace, _ = run_mixed(bundled_model_dir, paths, prompts, 4, kv_cache_tokens=1024,
+                               max_num_batched_tokens=8)
+    assert max(trace.distinct) == len(prompts) and trace.chunks > 0
+    assert {k: o.token_ids for k, o in outs.items()} == refs
