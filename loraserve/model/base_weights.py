@@ -1,6 +1,7 @@
 """A loaded model's weights by PEFT's module names, for adapter reads that need them
-(adapters/peft/base_weights.py): unpacked on demand from the packed projections, one fused
-projection kept at a time, so nothing of the model's size stays allocated."""
+(adapters/peft/base_weights.py): as float32 host tensors (the reader works on the host),
+unpacked on demand from the packed projections, one fused projection kept at a time, so
+nothing of the model's size stays allocated."""
 
 from __future__ import annotations
 
@@ -30,13 +31,13 @@ class ModelBaseWeights:
         group, part = _PARTS[module]
         with self._lock:
             if self._last is None or self._last[0] != (layer, group):
-                w = getattr(self.model.layers[layer], group).weight.to(torch.float32)
+                w = getattr(self.model.layers[layer], group).weight.to("cpu", torch.float32)
                 self._last = ((layer, group), w)
             w = self._last[1]
         return w if part is None else w.split(self._splits[group])[part]
 
     def embed(self) -> torch.Tensor:
-        return self.model.embed
+        return self.model.embed.to("cpu", torch.float32)
 
     def lm_head(self) -> torch.Tensor:
-        return self.model.lm_head.weight
+        return self.model.lm_head.weight.to("cpu", torch.float32)
