@@ -37,6 +37,9 @@ class FakeSlots:
         self.content[slot] = w.fingerprint
         self.writes += 1
 
+    def release(self, slot: int) -> None:
+        pass
+
     def before_step(self, slots) -> None:
         self.read_by_step = sorted(slots)  # on a GPU: the step waits for these slots' copies
 
