@@ -194,6 +194,7 @@ def _read_adapter(path, mc: ModelConfig, max_lora_rank: int, allow_pickle: bool,
         name = full_name(layer, module)
         if target not in plan:
             raise _fail(path, f"tensors for {name} but adapter_config does not target it")
+        budget.check(path, "building the modules")  # DoRA's norms read the base weights
         w = module_weights(path, name, layer, module, slot, mc, *plan[target], dora,
                            lora_bias, base_weight)
         nbytes += w.nbytes
