@@ -309,85 +309,10 @@ def test_refuse_layer_out_of_range(bad, mc):
     refuse(bad, mc, "layers_to_transform", "layer 9")
 
 
-def test_refuse_dora_without_the_base_weights_or_its_magnitude(base_dir, mc, tmp_path):
-    make_peft_adapter(base_dir, tmp_path, use_dora=True)
-    refuse(tmp_path, mc, "DoRA adapters need the base model's weights")
-    edit_tensors(tmp_path, lambda t: {k: v for k, v in t.items() if "magnitude" not in k})
-    refuse(tmp_path, mc, "use_dora", "has no magnitude vector")
-
-
-def test_refuse_dora_on_the_embedding(base_dir, mc, tmp_path):
-    make_peft_adapter(base_dir, tmp_path, use_dora=True,
-                      target_modules=["q_proj", "embed_tokens"])
-    refuse(tmp_path, mc, "DoRA on embed_tokens is not supported yet")
-
-
-@pytest.mark.parametrize("module", ["score", "model.norm", "q_proj"])
-def test_refuse_modules_to_save_other_than_the_vocabulary_ends(bad, mc, module):
-    edit_config(bad, modules_to_save=[module])
-    refuse(bad, mc, f"modules_to_save names {module!r}", "only embed_tokens and lm_head")
-
-
-def test_refuse_adapters_that_change_the_vocabulary_size(base_dir, mc, tmp_path):
-    make_peft_adapter(base_dir, tmp_path / "a", modules_to_save=["lm_head"])
-    edit_tensors(tmp_path / "a", lambda t: t.update(
-        {"base_model.model.lm_head.weight": torch.ones(130, 64)}))
-    refuse(tmp_path / "a", mc, "spans 130 tokens", "vocabulary size are not supported")
-    make_peft_adapter(base_dir, tmp_path / "b", trainable_token_indices=[3, 127])
-    edit_config(tmp_path / "b", trainable_token_indices=[3, 128])
-    refuse(tmp_path / "b", mc, "trainable_token_indices", "outside the model's vocabulary")
-    make_peft_adapter(base_dir, tmp_path / "c", target_modules=["embed_tokens"])
-    edit_tensors(tmp_path / "c", lambda t: t.update({
-        "base_model.model.model.embed_tokens.base_layer.weight": torch.ones(140, 64)}))
-    refuse(tmp_path / "c", mc, "spans 140 tokens")
-
-
-@pytest.mark.parametrize("kind", [
-    dict(trainable_token_indices=[5, 7]), dict(modules_to_save=["embed_tokens", "lm_head"]),
-    dict(target_modules=["q_proj", "embed_tokens"])])
-def test_refuse_adapters_peft_saved_from_a_resized_vocabulary(base_dir, mc, tmp_path, kind):
-    import peft
-
-    model = load_base_model(base_dir)
-    model.resize_token_embeddings(136, mean_resizing=False)
-    config = peft.LoraConfig(r=4, **{"target_modules": ["q_proj"], **kind})
-    peft.get_peft_model(model, config).save_pretrained(tmp_path)
-    refuse(tmp_path, mc, "spans 136 tokens", "vocabulary size are not supported")
-
-
-def test_full_copies_count_in_the_adapters_memory(base_dir, mc, tmp_path):
-    plain = read(make_peft_adapter(base_dir, tmp_path / "a"), mc)
-    saved = read(make_peft_adapter(base_dir, tmp_path / "b",
-                                   modules_to_save=["lm_head", "embed_tokens"]), mc)
-    assert saved.nbytes == plain.nbytes + 2 * 128 * 64 * 4
-    assert saved.vocab.head_table.shape == saved.vocab.embed_table.shape == (128, 64)
-
-
 @pytest.mark.parametrize("bias", ["all", "lora_only"])
 def test_refuse_bias(bad, mc, bias):
     edit_config(bad, bias=bias)
     refuse(bad, mc, f"bias={bias!r}", "not supported yet")
-
-
-def test_refuse_lora_bias_tensor_the_config_does_not_declare(bad, mc):
-    key = lora_key(0, "q_proj", "lora_B").replace(".weight", ".bias")
-    edit_tensors(bad, lambda t: t.update({key: torch.zeros(64)}))
-    refuse(bad, mc, "has a lora_B bias but adapter_config has no lora_bias")
-    edit_tensors(bad, lambda t: t.pop(key))
-    edit_config(bad, lora_bias=True)
-    refuse(bad, mc, "adapter_config sets lora_bias but", "has no lora_B bias")
-
-
-def test_refuse_lora_embedding_keys_the_config_does_not_declare(bad, mc):
-    key = "base_model.model.model.embed_tokens.lora_embedding_A"
-    edit_tensors(bad, lambda t: t.update({key: torch.zeros(8, 128)}))
-    refuse(bad, mc, key, "is not what adapter_config declares for embed_tokens")
-
-
-def test_refuse_magnitude_vector_keys_the_config_does_not_declare(bad, mc):
-    key = lora_key(0, "q_proj", "lora_A").replace("lora_A.weight", "lora_magnitude_vector")
-    edit_tensors(bad, lambda t: t.update({key: torch.ones(64)}))
-    refuse(bad, mc, "has a DoRA magnitude but adapter_config has no use_dora")
 
 
 @pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), -float("inf")])
@@ -421,16 +346,6 @@ def test_refuse_unexpected_and_untargeted_tensors(bad, mc):
     refuse(bad, mc, "adapter_config does not target it", "model.layers.0.")
 
 
-def test_refuse_lm_head_tensors_the_config_does_not_declare(bad, mc):
-    edit_tensors(bad, lambda t: t.update({
-        "base_model.model.lm_head.lora_A.weight": torch.ones(8, 64),
-        "base_model.model.lm_head.lora_B.weight": torch.ones(128, 8)}))
-    refuse(bad, mc, "of lm_head) is not what adapter_config declares for lm_head")
-    edit_tensors(bad, lambda t: {k: v for k, v in t.items() if "lm_head" not in k})
-    edit_tensors(bad, lambda t: t.update({"base_model.model.lm_head.weight": torch.ones(128, 64)}))
-    refuse(bad, mc, "lm_head.weight", "is not what adapter_config declares for lm_head")
-
-
 def test_refuse_unsupported_variant_flags(bad, mc):
     edit_config(bad, use_qalora=True)
     refuse(bad, mc, "QALoRA", "not supported yet")
@@ -439,4 +354,3 @@ def test_refuse_unsupported_variant_flags(bad, mc):
 def test_config_file_is_json_object(bad, mc):
     (bad / "adapter_config.json").write_text(json.dumps([1, 2]))
     refuse(bad, mc, "JSON object")
-
