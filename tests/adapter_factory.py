@@ -61,13 +61,40 @@ def build_peft_model(
     with torch.no_grad():
         # Sorted names: the same seed gives the same weights whatever the module order.
         for _, module in sorted(model.named_modules(), key=lambda kv: kv[0]):
+            randomize_extra_parts(module, gen, init_scale)
             if not hasattr(module, "lora_A") or "default" not in module.lora_A:
                 continue
             a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
             rank, d_in = a.shape
             a.copy_(torch.randn(a.shape, generator=gen) / d_in**0.5)
             b.copy_(torch.randn(b.shape, generator=gen) * init_scale / rank**0.5)
+            if module.lora_B["default"].bias is not None:  # lora_bias (PEFT starts it at 0)
+                bias = module.lora_B["default"].bias
+                bias.copy_(torch.randn(bias.shape, generator=gen) * init_scale)
+            mags = getattr(module, "lora_magnitude_vector", None)
+            if mags is not None and "default" in mags:  # DoRA: PEFT starts it at ||W||_c
+                m = mags["default"].weight
+                m.mul_(1 + 0.5 * torch.rand(m.shape, generator=gen))
     return model.eval()
+
+
+def randomize_extra_parts(module, gen: torch.Generator, init_scale: float) -> None:
+    """Random values for what PEFT starts as a no-op beyond lora_A/B: embedding LoRA (B = 0),
+    trainable tokens (the rows as they were) and modules_to_save copies (the module as it
+    was)."""
+    emb_a = getattr(module, "lora_embedding_A", None)
+    if emb_a is not None and "default" in emb_a:
+        a, b = emb_a["default"], module.lora_embedding_B["default"]
+        a.copy_(torch.randn(a.shape, generator=gen))
+        b.copy_(torch.randn(b.shape, generator=gen) * init_scale / a.shape[0] ** 0.5)
+    delta = getattr(module, "trainable_tokens_delta", None)
+    if delta is not None and "default" in delta:
+        d = delta["default"]
+        d.copy_(torch.randn(d.shape, generator=gen) * d.std())
+    saved = getattr(module, "modules_to_save", None)
+    if saved is not None and "default" in saved and hasattr(saved["default"], "weight"):
+        w = saved["default"].weight
+        w.add_(torch.randn(w.shape, generator=gen) * w.std() * 0.5)
 
 
 def make_peft_adapter(base_model_dir: str | Path, out_dir: str | Path, **kwargs) -> Path:

@@ -1,13 +1,11 @@
-"""Reading PEFT LoRA adapters: with adapters/peft/ (files, targets), the only code that knows
-PEFT's file names, keys and rules.
+"""Reading PEFT LoRA adapters: with adapters/peft/ (files, targets, keys, modules, vocabulary
+ends, kinds), the only code that knows PEFT's file names, keys and rules.
 
 Everything is validated before a `LoraAdapterWeights` is returned, so a caller never holds a
 half-read adapter. Which modules a config targets is peft/targets.py's (PEFT's own matching,
-on our module names and on Phi-3's fused ones).
-
-A LoRA on a fused module is one delta on the whole fused output (B: [q + 2kv, r]); it is
-handed on as the modules it fuses, each with the same A and its rows of B: exactly the same
-delta, in the layout every LoRA backend already takes.
+on our module names and on Phi-3's fused ones); what each tensor is, peft/keys.py's; one
+linear's LoRA (with lora_bias and DoRA), peft/modules.py's; the embedding and lm_head parts
+(LoRA there, modules_to_save, trainable tokens), peft/vocab_ends.py's.
 """
 
 from __future__ import annotations
@@ -16,12 +14,12 @@ import hashlib
 import io
 import json
 import os
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from loraserve.adapters.peft.base_weights import BaseWeights
 from loraserve.adapters.peft.budget import MAX_CONFIG_BYTES, LoadBudget, check_config_shape
 from loraserve.adapters.peft.config_checks import validate_config
 from loraserve.adapters.peft.file_errors import os_errors_as_load_errors
@@ -31,44 +29,36 @@ from loraserve.adapters.peft.files import (
     open_safetensors,
     read_limited,
 )
-from loraserve.adapters.peft.targets import (
-    FUSED_MODULES,
-    KNOWN_MODULES,
-    compile_patterns,
-    full_name,
-    parent_of,
-    resolve_targets,
-)
+from loraserve.adapters.peft.keys import parse_key
+from loraserve.adapters.peft.modules import LoraModuleWeights, module_weights, unfused
+from loraserve.adapters.peft.targets import compile_patterns, full_name, resolve_targets
+from loraserve.adapters.peft.vocab_ends import check_vocab_config, check_vocab_size, vocab_parts
 from loraserve.config import ModelConfig
+from loraserve.lora.extras import VocabParts
 from loraserve.types import AdapterFormatError
+
+__all__ = ["BaseWeights", "LoraAdapterWeights", "LoraModuleWeights", "read_adapter",
+           "read_adapter_config"]
 
 CONFIG_FILE = "adapter_config.json"
 SAFETENSORS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
 
-# '...q_proj.lora_A.weight' or, with an adapter name, '...q_proj.lora_A.default.weight'.
-_LORA_KEY_RE = re.compile(r"^(?P<mod>.+)\.(?P<kind>lora_A|lora_B)(?:\.[^.]+)?\.(?P<param>\w+)$")
-_LAYER_MOD_RE = re.compile(
-    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<name>\w+)$"
-)
-
-
-@dataclass(frozen=True)
-class LoraModuleWeights:
-    A: torch.Tensor  # [r, d_in] float32, contiguous
-    B: torch.Tensor  # [d_out, r] float32, contiguous, already multiplied by `scale`
-    rank: int
-    scale: float  # lora_alpha / r (or / sqrt(r) with rslora), after rank/alpha patterns
 
 
 @dataclass(frozen=True)
 class LoraAdapterWeights:
     path: str
-    rank: int  # max rank over modules
+    rank: int  # max rank over modules (0: the adapter has no LoRA module)
     target_modules: frozenset[str]  # subset of LORA_MODULES actually present
     layers: tuple[dict[str, LoraModuleWeights], ...]  # one dict per layer; may lack modules
-    nbytes: int
+    nbytes: int  # every tensor it holds, its full copies of embed_tokens / lm_head included
     fingerprint: str  # sha256 over the config and the weights file bytes
+    vocab: VocabParts | None = None  # embedding / lm_head parts (lora/extras.py)
+
+    def description(self) -> LoraAdapterWeights:
+        """The same adapter without its tensors (they were packed into a slot)."""
+        return replace(self, layers=(), vocab=None)
 
 
 def _fail(path: object, problem: str) -> AdapterFormatError:
@@ -86,6 +76,7 @@ def read_adapter_config(
         budget = LoadBudget()
         cfg, _ = _read_config(path, None, budget)
         if model_config is not None:
+            check_vocab_config(cfg, model_config, path)
             resolve_targets(cfg, model_config, path, max_lora_rank, budget)
     return cfg
 
@@ -126,8 +117,9 @@ def _load_tensors(p: Path, path: object, allow_pickle: bool, root: str | None,
     if st.is_file():
         check_inside(st, root, path)
         entries, data = open_safetensors(st, path, max_bytes, mc)
+        check_vocab_size({e.name: e.shape for e in entries}, mc, path)
         for e in entries:  # names are refused from the header, before any tensor is made
-            _parse_key(e.name, path)
+            parse_key(e.name, path)
         try:
             from safetensors.torch import load
 
@@ -153,113 +145,71 @@ def _load_tensors(p: Path, path: object, allow_pickle: bool, root: str | None,
     return tensors, data
 
 
-def _parse_key(key: str, path: object) -> tuple[int, str, str]:
-    """(layer, module, 'lora_A'|'lora_B') for a LoRA weight key; refuse what we cannot serve."""
-    if "lora_embedding_" in key:
-        raise _fail(path, f"embedding LoRA tensor {key!r} is not supported yet")
-    if "magnitude_vector" in key:
-        raise _fail(path, f"DoRA magnitude tensor {key!r} is not supported yet")
-    m = _LORA_KEY_RE.match(key)
-    if m is None:
-        raise _fail(path, f"unexpected tensor {key!r} (only LoRA A/B weights are supported)")
-    if m["param"] != "weight":
-        raise _fail(path, f"LoRA {m['param']} tensor {key!r} is not supported yet")
-    mod = m["mod"].removeprefix("base_model.model.")
-    lm = _LAYER_MOD_RE.match(m["mod"])
-    if lm is None or lm["name"] not in KNOWN_MODULES or lm["parent"] != parent_of(lm["name"]):
-        raise _fail(path, f"tensor {key!r} targets module {mod!r}, which is not supported "
-                          f"(supported: {', '.join(KNOWN_MODULES)})")
-    return int(lm["layer"]), lm["name"], m["kind"]
-
-
 def read_adapter(
     path: str | os.PathLike, model_config: ModelConfig, *, max_lora_rank: int,
-    allow_pickle: bool = False, root: str | None = None, budget: LoadBudget | None = None,
+    allow_pickle: bool = False, root: str | None = None, base: BaseWeights | None = None,
+    budget: LoadBudget | None = None,
 ) -> LoraAdapterWeights:
     """Read and fully validate a PEFT LoRA adapter directory into float32 host tensors.
-    `root`: every file read must resolve inside it. The fingerprint covers the config and the
-    weights: either changing makes another adapter. `budget`: the load's time bound (and the
-    server's cancel switch); a fresh one by default."""
+    `root`: every file read must resolve inside it. `base`: the model's weights, for DoRA's
+    column norms and for the base weights PEFT saves next to a targeted embedding (without
+    it, DoRA is refused and such weights are kept as the adapter's own). The fingerprint
+    covers the config and the weights: either changing makes another adapter. `budget`: the
+    load's time bound (and the server's cancel switch); a fresh one by default."""
     with os_errors_as_load_errors(path):
-        return _read_adapter(path, model_config, max_lora_rank, allow_pickle, root,
+        return _read_adapter(path, model_config, max_lora_rank, allow_pickle, root, base,
                              budget or LoadBudget())
 
 
-def _read_adapter(path, model_config: ModelConfig, max_lora_rank: int, allow_pickle: bool,
-                  root: str | None, budget: LoadBudget) -> LoraAdapterWeights:
+def _read_adapter(path, mc: ModelConfig, max_lora_rank: int, allow_pickle: bool,
+                  root: str | None, base: BaseWeights | None,
+                  budget: LoadBudget) -> LoraAdapterWeights:
     cfg, raw_cfg = _read_config(path, root, budget)
-    plan = resolve_targets(cfg, model_config, path, max_lora_rank, budget)
-    tensors, data = _load_tensors(Path(path), path, allow_pickle, root, model_config,
-                                  max_weights_bytes(model_config, max_lora_rank))
+    check_vocab_config(cfg, mc, path)
+    plan = resolve_targets(cfg, mc, path, max_lora_rank, budget)
+    tensors, data = _load_tensors(Path(path), path, allow_pickle, root, mc,
+                                  max_weights_bytes(mc, max_lora_rank))
     budget.check(path, "reading the weights")
     fingerprint = hashlib.sha256(hashlib.sha256(raw_cfg).digest() + data).hexdigest()
-    n_layers = model_config.num_hidden_layers
-    pairs: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
+    check_vocab_size({k: t.shape for k, t in tensors.items()}, mc, path)  # a pickle's too
+    parts: dict[tuple[int, str] | str, dict[str, tuple[str, torch.Tensor]]] = {}
     for key, t in tensors.items():
-        layer, module, kind = _parse_key(key, path)
-        if layer >= n_layers:
-            raise _fail(path, f"tensor {key!r} is for layer {layer}, out of range for a "
-                              f"{n_layers}-layer model")
-        slot = pairs.setdefault((layer, module), {})
-        if kind in slot:
-            raise _fail(path, f"duplicate tensors {slot[kind][0]!r} and {key!r}")
-        slot[kind] = (key, t)
-    if not pairs:
+        target, part = parse_key(key, path)
+        if isinstance(target, tuple) and target[0] >= mc.num_hidden_layers:
+            raise _fail(path, f"tensor {key!r} is for layer {target[0]}, out of range for a "
+                              f"{mc.num_hidden_layers}-layer model")
+        slot = parts.setdefault(target, {})
+        if part in slot:
+            raise _fail(path, f"duplicate tensors {slot[part][0]!r} and {key!r}")
+        slot[part] = (key, t)
+    if not parts:
         raise _fail(path, "the weights file holds no LoRA tensors")
 
-    layers: list[dict[str, LoraModuleWeights]] = [{} for _ in range(n_layers)]
+    layers: list[dict[str, LoraModuleWeights]] = [{} for _ in range(mc.num_hidden_layers)]
     nbytes = 0
-    for (layer, module), slot in sorted(pairs.items()):
+    dora, lora_bias = bool(cfg.get("use_dora")), bool(cfg.get("lora_bias"))
+    base_weight = None if base is None else base.module
+    for target, slot in sorted((t, p) for t, p in parts.items() if isinstance(t, tuple)):
+        layer, module = target
         name = full_name(layer, module)
-        if len(slot) != 2:
-            raise _fail(path, f"{name} has only a {next(iter(slot))} tensor")
-        if (layer, module) not in plan:
+        if target not in plan:
             raise _fail(path, f"tensors for {name} but adapter_config does not target it")
-        shape = model_config.module_shape(module)
-        w = _module_weights(path, name, slot, shape, *plan[(layer, module)])
-        nbytes += w.A.nbytes + w.B.nbytes
-        layers[layer].update(_unfused(module, w, model_config))
-    mods = [w for d in layers for w in d.values()]
+        budget.check(path, "building the modules")  # DoRA's norms read the base weights
+        w = module_weights(path, name, layer, module, slot, mc, *plan[target], dora,
+                           lora_bias, base_weight)
+        nbytes += w.nbytes
+        layers[layer].update(unfused(module, w, mc))
+    vocab = vocab_parts(path, cfg, mc, {k: v for k, v in plan.items() if isinstance(k, str)},
+                        {k: v for k, v in parts.items() if isinstance(k, str)}, base)
+    ranks = [w.rank for d in layers for w in d.values()]
+    if vocab is not None:
+        nbytes += vocab.nbytes
+        ranks += [lo[0].shape[1] for lo in (vocab.embed_lora,) if lo is not None]
+        ranks += [lo[0].shape[0] for lo in (vocab.head_lora,) if lo is not None]
+    elif not any(layers):
+        raise _fail(path, "the weights file holds no LoRA tensors")
     return LoraAdapterWeights(
-        path=str(path), rank=max(w.rank for w in mods),
+        path=str(path), rank=max(ranks, default=0),
         target_modules=frozenset(m for d in layers for m in d), layers=tuple(layers),
-        nbytes=nbytes, fingerprint=fingerprint,
+        nbytes=nbytes, fingerprint=fingerprint, vocab=vocab,
     )
-
-
-def _unfused(module: str, w: LoraModuleWeights, mc: ModelConfig) -> dict[str, LoraModuleWeights]:
-    """A fused module's LoRA as the modules it fuses: the same A (one tensor), its B's rows."""
-    if module not in FUSED_MODULES:
-        return {module: w}
-    out, row = {}, 0
-    for sub in FUSED_MODULES[module]:
-        rows = mc.module_shape(sub)[0]
-        out[sub] = LoraModuleWeights(A=w.A, B=w.B[row : row + rows].contiguous(), rank=w.rank,
-                                     scale=w.scale)
-        row += rows
-    return out
-
-
-def _module_weights(path, name, slot, shape, want_rank: int, scale: float) -> LoraModuleWeights:
-    """Check one module's A/B pair against the base shape and the config; scale B."""
-    (ka, a), (kb, b) = slot["lora_A"], slot["lora_B"]
-    d_out, d_in = shape
-    for k, t in ((ka, a), (kb, b)):
-        if not t.is_floating_point():
-            raise _fail(path, f"tensor {k!r} has non-float dtype {t.dtype}")
-    if a.dim() != 2 or a.shape[1] != d_in:
-        raise _fail(path, f"tensor {ka!r} has shape {list(a.shape)}, expected [r, {d_in}]")
-    if b.dim() != 2 or b.shape[0] != d_out:
-        raise _fail(path, f"tensor {kb!r} has shape {list(b.shape)}, expected [{d_out}, r]")
-    rank = a.shape[0]
-    if b.shape[1] != rank:
-        raise _fail(path, f"A/B rank mismatch for {name}: lora_A has rank {rank}, "
-                          f"lora_B has rank {b.shape[1]}")
-    if rank != want_rank:
-        raise _fail(path, f"{name} has rank {rank} in its tensors but rank {want_rank} "
-                          f"in adapter_config (r / rank_pattern)")
-    a32, b32 = a.to(torch.float32).contiguous(), b.to(torch.float32)
-    for k, t in ((ka, a32), (kb, b32)):
-        if not torch.isfinite(t).all():
-            raise _fail(path, f"tensor {k!r} contains NaN or inf")
-    return LoraModuleWeights(A=a32, B=(b32 * scale).contiguous(), rank=rank, scale=float(scale))

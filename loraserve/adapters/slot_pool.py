@@ -24,7 +24,9 @@ So offsets and the packed rank are per (slot, group), not per layer, and the bat
 needs no per-layer data; the cost is a few zero rows on the layers with smaller ranks.
 
 Memory: nbytes = S * L * itemsize * sum_g (R_g * d_in_g + max_lora_rank * d_out_g);
-for SmolLM2-135M at max rank 64, fp32: 75 MiB per slot.
+for SmolLM2-135M at max rank 64, fp32: 75 MiB per slot. Plus, per slot whose adapter has them,
+its parts beyond B @ A (`extras`, adapters/slot_extras.py): DoRA scales, lora_bias, its
+vocabulary parts (a full lm_head or embedding copy is counted here too).
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from loraserve.adapters.slot_copies import StreamSlotCopies
+from loraserve.adapters.slot_extras import pack_extras
 from loraserve.config import ModelConfig
+from loraserve.lora.extras import AdapterExtras
 from loraserve.lora.layout import (
     GROUP_NAMES,
     MODULE_TO_GROUP,
@@ -98,6 +102,8 @@ class LoraSlotPool:
         # the fingerprint of the weights each slot holds (None: cleared), so the store's
         # record of who owns a slot can be checked against what the slot really holds
         self.content: list[str | None] = [None] * num_slots
+        # per slot: its adapter's parts beyond B @ A (None: plain LoRA, or cleared)
+        self.extras: list[AdapterExtras | None] = [None] * num_slots
         # GPU: slots are packed on the host and copied on a side stream (slot_copies.py)
         self.copies = copies if copies is not None or self.device.type != "cuda" else (
             StreamSlotCopies(self.device))
@@ -106,7 +112,7 @@ class LoraSlotPool:
     def nbytes(self) -> int:
         return sum(
             t.nbytes for per_layer in (self.A, self.B) for d in per_layer for t in d.values()
-        )
+        ) + sum(e.nbytes for e in self.extras if e is not None)
 
     def rank(self, slot: int, group: str) -> int:
         """Packed rank of `group` in `slot` (0: the adapter targets none of its modules)."""
@@ -140,6 +146,7 @@ class LoraSlotPool:
         self._ranks += [dict.fromkeys(GROUP_NAMES, 0) for _ in range(extra)]
         self._parts += [dict.fromkeys(GROUP_NAMES, ()) for _ in range(extra)]
         self.content += [None] * extra
+        self.extras += [None] * extra
         self.num_slots = num_slots
 
     def clear(self, slot: int) -> None:
@@ -149,12 +156,14 @@ class LoraSlotPool:
         self._ranks[slot] = dict.fromkeys(GROUP_NAMES, 0)
         self._parts[slot] = dict.fromkeys(GROUP_NAMES, ())
         self.content[slot] = None
+        self.extras[slot] = None
 
     def write(self, slot: int, weights: LoraAdapterWeights) -> None:
         """Pack `weights` into `slot`, replacing whatever was there. Validates everything
         before touching the slot, so a rejected adapter leaves the slot unchanged."""
         self._check_slot(slot)
         mod_ranks = self._validate(weights)
+        extras = pack_extras(weights, self.layouts, self.device)
         parts = {g: self._plan_parts(g, mod_ranks) for g in GROUP_NAMES}
         where = {m: part for g in GROUP_NAMES for m, part in parts[g].items()}
         ranks = {g: max((p[1] for p in parts[g].values()), default=0) for g in GROUP_NAMES}
@@ -196,6 +205,13 @@ class LoraSlotPool:
         self._ranks[slot] = ranks
         self._parts[slot] = {g: tuple(parts[g].values()) for g in GROUP_NAMES}
         self.content[slot] = weights.fingerprint
+        self.extras[slot] = extras
+
+    def release(self, slot: int) -> None:
+        """The slot's adapter left it: free its parts beyond B @ A now (a full lm_head copy
+        may be large); the packed rows stay until the next write zeroes them."""
+        self._check_slot(slot)
+        self.extras[slot] = None
 
     def before_step(self, slots) -> None:
         """A step is about to read `slots`: order it after their copies (GPU; else nothing)."""

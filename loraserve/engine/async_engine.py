@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraserve.adapters.daemon_pool import DaemonPool
-from loraserve.adapters.format import read_adapter
 from loraserve.adapters.peft.budget import LoadBudget
 from loraserve.adapters.spill import spill_dir
 from loraserve.engine import messages as M
@@ -112,7 +111,8 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine: Any, idle_poll_s: float = 0.01, paused_poll_s: float = 0.5):
-        self.engine = engine  # touched only by the engine thread (and tests)
+        # touched only by the engine thread (and tests); its read_adapter reads no engine state
+        self.engine = engine
         self.info: M.EngineInfo = engine.info  # fixed for the engine's lifetime
         self.tokenizer = engine.tokenizer  # read-only: the server tokenizes on its own threads
         self.max_unread_outputs: int = engine.config.max_unread_outputs
@@ -237,14 +237,12 @@ class AsyncEngine:
 
     async def _read(self, name: str, path: str, root: str | None):
         """The adapter read on a daemon worker within a load budget that shutdown cancels."""
-        info = self.info
+        reader = self.engine.read_adapter  # reads the model's weights only (DoRA's norms)
         if self._loads is None:
             self._loads = DaemonPool(2, "lora-admin-load")
         closing = self._closing
         read = asyncio.wrap_future(self._loads.submit(  # the budget starts with the read
-            lambda: read_adapter(path, info.model_config, max_lora_rank=info.max_lora_rank,
-                                 allow_pickle=info.allow_pickle_adapters, root=root,
-                                 budget=LoadBudget(cancelled=closing))))
+            lambda: reader(path, root=root, budget=LoadBudget(cancelled=closing))))
         self._reads.add(read)
         try:
             return await read

@@ -19,6 +19,7 @@ import torch
 
 from loraserve.adapters.disk_loader import DiskLoader
 from loraserve.adapters.format import LoraAdapterWeights, read_adapter
+from loraserve.adapters.peft.budget import LoadBudget
 from loraserve.adapters.residency import ResidencyLimits, residency_class
 from loraserve.adapters.slot_pool import LoraSlotPool
 from loraserve.adapters.stats import AdapterStats
@@ -33,6 +34,7 @@ from loraserve.kvcache.manager import KVCacheManager
 from loraserve.kvcache.prefix_hash import BASE_NAMESPACE, adapter_namespace
 from loraserve.lora.backends import create_lora_backend, pool_tile_width
 from loraserve.model.attention import create_attention_backend
+from loraserve.model.base_weights import ModelBaseWeights
 from loraserve.model.bundled import resolve_model_path
 from loraserve.model.loader import load_model
 from loraserve.model.tokenizer import Tokenizer
@@ -63,6 +65,7 @@ class LLMEngine:
         self.model_path = resolve_model_path(model)
         self.model = load_model(self.model_path, self.dtype, self.device)
         self.model_config = mc = self.model.config
+        self.base_weights = ModelBaseWeights(self.model)  # for DoRA norms at adapter reads
         self.tokenizer = Tokenizer(self.model_path)
         self.max_model_len = min(c.max_model_len or 10**9, mc.max_position_embeddings)
         limits = ResidencyLimits.of(c)
@@ -276,10 +279,14 @@ class LLMEngine:
         return self._output(req)
 
     # --- adapters (between steps) -----------------------------------------------------------
-    def read_adapter(self, path: str | os.PathLike) -> LoraAdapterWeights:
-        """Read and fully validate an adapter (any thread; touches no engine state)."""
+    def read_adapter(self, path: str | os.PathLike, root: str | None = None,
+                     budget: LoadBudget | None = None) -> LoraAdapterWeights:
+        """Read and fully validate an adapter (any thread; touches no engine state, reads the
+        model's weights only: DoRA's norms). `root`: every file read must resolve inside it;
+        `budget`: the load's time bound and cancel switch (a fresh one by default)."""
         return read_adapter(path, self.model_config, max_lora_rank=self.config.max_lora_rank,
-                            allow_pickle=self.config.allow_pickle_adapters)
+                            allow_pickle=self.config.allow_pickle_adapters, root=root,
+                            base=self.base_weights, budget=budget)
 
     def load_lora_adapter(self, name: str, path: str | os.PathLike, pinned: bool = False,
                           weights: LoraAdapterWeights | None = None, *, replace: bool = False,

@@ -120,7 +120,9 @@ class ModelRunner:
         logits_rows = [row for _, _, row in scored] + sample_rows
         dev = self.device
         with torch.inference_mode():
-            if self.graphs is not None and self.graphs.fits(attn_seqs, len(samplers)):
+            # a captured graph has no adapter parts beyond B @ A: such steps run eagerly
+            if (self.graphs is not None and self.graphs.fits(attn_seqs, len(samplers))
+                    and not self.lora.has_extras(seq_slots)):
                 logits = self.graphs.run(ids, pos, attn_seqs, seq_slots)
             else:
                 plan = self.lora.plan(seq_slots)

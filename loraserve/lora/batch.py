@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from loraserve.lora.extras import AdapterExtras
 from loraserve.lora.layout import GROUP_NAMES, GroupLayout, Part
 
 
@@ -26,6 +27,7 @@ class SlotWeights(Protocol):
     dtype: torch.dtype
     device: torch.device
     tile_width: int  # of A tiles and B strips (layout.py)
+    extras: list[AdapterExtras | None]  # per slot: parts beyond B @ A (lora/extras.py)
 
     def rank(self, slot: int, group: str) -> int: ...
 

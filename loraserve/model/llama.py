@@ -33,12 +33,19 @@ from loraserve.ops.elementwise import add_rms_norm_, silu_mul
 
 class LoraHook(Protocol):
     """Adds LoRA deltas for the module group of one layer: `project` returns `linear(x)` with
-    them added (fused into the GEMM where the backend can); calling it adds them to y."""
+    them added (fused into the GEMM where the backend can); calling it adds them to y.
+    `embed` and `head` are the embedding lookup and the output layer with the adapters' parts
+    there (embedding/lm_head LoRA, their own copies, trainable tokens) on their rows."""
 
     def __call__(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None: ...
 
     def project(self, layer: int, group: str, x: torch.Tensor,
                 linear: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor: ...
+
+    def embed(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor: ...
+
+    def head(self, rows: torch.Tensor, x: torch.Tensor,
+             lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor: ...
 
 
 @dataclass
@@ -108,7 +115,9 @@ class LlamaModel:
         lora: LoraHook | None = None,
     ) -> torch.Tensor:  # [B, V]
         c = self.config
-        h = F.embedding(input_ids, self.embed)  # [T, d]
+        # [T, d]
+        h = F.embedding(input_ids, self.embed) if lora is None else lora.embed(input_ids,
+                                                                                self.embed)
         rotate = [r.rotator(positions) for r in self.ropes]  # [0] global, [1] local
         nh, kvh, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         q_size, kv_size, eps = self.q_size, self.kv_size, c.rms_norm_eps
@@ -146,7 +155,7 @@ class LlamaModel:
             nxt = self.layers[li + 1].input_norm if li + 1 < len(self.layers) else None
             x = add_rms_norm_(h, d, res, nxt, eps)
         h = rms_norm(h[logits_rows], self.final_norm, eps)  # only rows that sample a token
-        logits = self.lm_head(h)
+        logits = self.lm_head(h) if lora is None else lora.head(logits_rows, h, self.lm_head)
         if c.logits_scaling != 1.0:  # once per step, not per layer
             logits = logits / c.logits_scaling
         if c.final_softcap:

@@ -133,8 +133,7 @@ def test_cancel_loads_answers_a_stuck_admin_load_at_once(aengine, monkeypatch, t
     from loraserve.types import AdapterLoadCancelledError
 
     release = threading.Event()
-    monkeypatch.setattr("loraserve.engine.async_engine.read_adapter",
-                        lambda *a, **kw: release.wait(60))
+    monkeypatch.setattr(aengine.engine, "read_adapter", lambda *a, **kw: release.wait(60))
 
     async def main():
         load = asyncio.create_task(aengine.load_lora_adapter("stuck", str(tmp_path)))

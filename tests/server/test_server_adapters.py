@@ -181,3 +181,33 @@ def test_pinned_adapter_survives(server, files, refs):
         assert unload(server, name).status_code == 200
     assert tiers(server) == {}
     assert 'adapter="e1"' not in server.get("/metrics").text  # series of unloaded adapters go
+
+
+def test_dora_and_vocabulary_adapters_load_at_runtime_and_other_kinds_get_a_4xx(server, files):
+    # The runtime load reads the adapter off the engine thread; DoRA's norms need the base
+    # model's weights there too. Outputs equal the offline engine's (itself equal to PEFT's:
+    # tests/engine/test_adapter_kinds.py); a VeRA adapter is refused naming its kind.
+    import peft
+    from adapter_factory import load_base_model
+
+    from loraserve import LLM, SamplingParams
+
+    lroot, model = files["lroot"], files["model"]
+    kinds = {"dora": dict(use_dora=True, target_modules=["q_proj", "down_proj"]),
+             "vocab": dict(target_modules=["embed_tokens", "lm_head", "v_proj"]),
+             "copies": dict(target_modules=["q_proj"], modules_to_save=["lm_head"])}
+    paths = {n: make_peft_adapter(model, lroot / n, r=4, seed=20 + i, init_scale=1.0, **kw)
+             for i, (n, kw) in enumerate(kinds.items())}
+    llm = LLM(model, lora_paths={n: str(p) for n, p in paths.items()})
+    sp = SamplingParams(max_tokens=10, temperature=0.0)
+    for name, path in paths.items():
+        assert load(server, name, path).status_code == 200
+        want = llm.generate(PROMPTS[1], sp, lora=name)[0].text
+        assert complete(server, name, PROMPTS[1]) == want, name
+        assert unload(server, name).status_code == 200
+    vera = peft.get_peft_model(load_base_model(model), peft.VeraConfig(
+        r=4, target_modules=["q_proj", "v_proj"]))
+    vera.save_pretrained(lroot / "vera")
+    assert_error(load(server, "vera", lroot / "vera"), 400, "VeRA")
+    assert "vera" not in tiers(server)
+    server.wait_idle()

@@ -32,10 +32,14 @@ class FakeSlots:
         self.num_slots = num_slots
         self.content: list[str | None] = [None] * num_slots
         self.writes = 0
+        self.released: list[int] = []  # slots whose adapter left them, in order
 
     def write(self, slot: int, w: LoraAdapterWeights) -> None:
         self.content[slot] = w.fingerprint
         self.writes += 1
+
+    def release(self, slot: int) -> None:
+        self.released.append(slot)
 
     def before_step(self, slots) -> None:
         self.read_by_step = sorted(slots)  # on a GPU: the step waits for these slots' copies

@@ -58,6 +58,7 @@ def test_tiered_bind_fills_free_slots_then_evicts_the_least_recently_used():
     assert t.p.slot_for(a, {a.uid}) == 0 and t.slots.writes == 2  # held: no rewrite
     assert t.p.slot_for(c, protected={c.uid, b.uid}) == 0  # a is the one not protected
     assert a.slot is None and a.weights is not None and a.stats.slot_evictions == 1
+    assert t.slots.released == [0]  # a's parts beyond B @ A go before c is written there
     assert t.slots.content == ["c", "b"] and t.p.slot_owner == [c.uid, b.uid]
     with pytest.raises(RuntimeError, match="admission should have refused"):
         t.p.slot_for(a, protected={b.uid, c.uid, a.uid})
@@ -73,6 +74,9 @@ def test_tiered_can_bind_counts_pinned_slots_and_drop_frees_the_slot():
     assert t.p.can_bind({a.uid}) and not t.p.can_bind({a.uid, b.uid})
     t.p.drop(p)  # evicted from host memory (or freed): its slot goes with it
     assert (p.weights, p.slot) == (None, None) and t.p.slot_owner == [None, None]
+    assert t.slots.released == [0]
+    t.p.drop(a)  # host weights but no slot: nothing to release
+    assert t.slots.released == [0]
     assert t.p.can_bind({a.uid, b.uid})
 
 
@@ -105,7 +109,7 @@ def test_unified_load_packs_into_a_slot_keeping_only_the_description():
     u = Policy(UnifiedResidency, slots=1, max_loaded_loras=3)
     a = u.add("a")
     assert a.slot == 0 and u.slots.content == ["a"] and a.weights.layers == ()
-    assert a.weights.fingerprint == "a" and a.weights.rank == 8
+    assert a.weights.fingerprint == "a" and a.weights.rank == 8 and a.weights.vocab is None
     assert u.p.tier(a) == "host"  # the slots are host memory
 
 
@@ -117,6 +121,7 @@ def test_unified_pool_doubles_within_max_loaded_and_reuses_freed_slots():
     assert u.slots.num_slots == 3 and c.slot == 2  # 4 would pass max_loaded_loras
     u.p.drop(a)  # host eviction: the slot is free for the next arrival, no growth
     assert (a.slot, a.weights, u.p.tier(a)) == (None, None, "disk")
+    assert u.slots.released == [0]
     d = u.add("d")
     assert d.slot == 0 and u.slots.num_slots == 3 and u.slots.content[0] == "d"
 

@@ -1,18 +1,20 @@
-"""adapter_config.json's fields, checked for what we serve exactly: LoRA only, no variant
-flags we do not compute, well-typed ranks, scales and patterns (their regexes are compiled by
-targets.compile_patterns, within the load's bounds)."""
+"""adapter_config.json's fields, checked for what we serve exactly: LoRA (with DoRA,
+lora_bias and the vocabulary ends' fields; peft/kinds.py refuses the other PEFT kinds by
+name), no variant flags we do not compute, well-typed ranks, scales and patterns (their
+regexes are compiled by targets.compile_patterns, within the load's bounds)."""
 
 from __future__ import annotations
 
 import math
 
 from loraserve.adapters.peft.budget import check_pattern_count
+from loraserve.adapters.peft.kinds import refusal
+from loraserve.adapters.peft.vocab_ends import check_vocab_config
 from loraserve.types import AdapterFormatError
 
-# Config switches that change the math or add weights beyond plain LoRA on our linears.
+# Config switches that change the math or add weights beyond what we serve.
 _UNSUPPORTED_FLAGS = {
-    "use_dora": "DoRA (use_dora)", "lora_bias": "lora_bias", "use_qalora": "QALoRA",
-    "alora_invocation_tokens": "activated LoRA", "trainable_token_indices": "trainable tokens",
+    "use_qalora": "QALoRA", "alora_invocation_tokens": "activated LoRA",
     "layer_replication": "layer_replication", "target_parameters": "target_parameters",
     "velora_config": "VeLoRA", "monteclora_config": "MonteCLoRA", "use_bdlora": "BD-LoRA",
     "arrow_config": "Arrow routing", "kasa_config": "KaSA",
@@ -32,9 +34,8 @@ def _is_number(x: object) -> bool:
 
 
 def validate_config(cfg: dict, path: object) -> None:
-    peft_type = cfg.get("peft_type")
-    if str(peft_type).upper() != "LORA":
-        raise _fail(path, f"peft_type is {peft_type!r}; only LORA adapters are supported")
+    if (why := refusal(cfg.get("peft_type"))) is not None:
+        raise _fail(path, why)
     r = cfg.get("r", 8)  # PEFT's defaults when a key is absent
     if not _is_int(r) or r <= 0:
         raise _fail(path, f"r must be a positive integer, got {r!r}")
@@ -46,8 +47,12 @@ def validate_config(cfg: dict, path: object) -> None:
     for key, what in _UNSUPPORTED_FLAGS.items():
         if cfg.get(key):
             raise _fail(path, f"{what} is not supported yet")
-    if cfg.get("modules_to_save"):
-        raise _fail(path, f"modules_to_save {cfg['modules_to_save']!r} is not supported yet")
+    for key in ("use_dora", "lora_bias", "ensure_weight_tying"):
+        if not isinstance(cfg.get(key, False), bool):
+            raise _fail(path, f"{key} must be true or false, got {cfg[key]!r}")
+    if cfg.get("use_dora") and cfg.get("lora_bias"):
+        raise _fail(path, "use_dora with lora_bias is not a valid PEFT config")
+    check_vocab_config(cfg, None, path)
     if cfg.get("bias", "none") != "none":
         raise _fail(path, f"bias={cfg['bias']!r} is not supported yet (only 'none')")
     check_pattern_count(cfg, path)

@@ -48,15 +48,26 @@ def read_limited(file: Path, max_bytes: int, path: object, what: str) -> bytes:
 
 def max_weights_bytes(model_config: ModelConfig, max_lora_rank: int) -> int:
     """The largest weights file an acceptable adapter can need: every module of every layer
-    at max_lora_rank in float64, plus room for the header."""
-    per_rank = sum(sum(model_config.module_shape(m)) for m in LORA_MODULES)
-    return per_rank * max_lora_rank * model_config.num_hidden_layers * 8 + (1 << 20)
+    at max_lora_rank in float64, with its bias and magnitude vectors, LoRA on the embedding
+    and lm_head, and four [V, d] tables (each end's copy and the base weight PEFT saves next
+    to a targeted embedding), plus room for the header."""
+    mc = model_config
+    per_rank = sum(sum(mc.module_shape(m)) for m in LORA_MODULES)
+    vectors = 2 * sum(mc.module_shape(m)[0] for m in LORA_MODULES)
+    vocab = mc.vocab_size + mc.hidden_size
+    return ((per_rank * max_lora_rank + vectors) * mc.num_hidden_layers
+            + 2 * vocab * max_lora_rank + 4 * mc.vocab_size * mc.hidden_size) * 8 + (1 << 20)
+
+
+# embed_tokens and lm_head: LoRA A/B, a full copy, trainable tokens, the saved base weight
+VOCAB_END_TENSORS = 16
 
 
 def max_tensors(model_config: ModelConfig) -> int:
     """A bound on the header's entries, before any is looked at: an A and a B per LoRA module
-    of every layer, four times over (stray tensors are then refused by name)."""
-    return 4 * 2 * len(LORA_MODULES) * model_config.num_hidden_layers
+    of every layer, four times over (room for lora_bias and DoRA's magnitude), plus the
+    vocabulary ends' parts (stray tensors are then refused by name)."""
+    return 4 * 2 * len(LORA_MODULES) * model_config.num_hidden_layers + VOCAB_END_TENSORS
 
 
 def open_safetensors(file: Path, path: object, max_bytes: int,

@@ -23,6 +23,8 @@ from loraserve.types import AdapterFormatError
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
                  "gate_up_proj": ("gate_proj", "up_proj")}
 KNOWN_MODULES = LORA_MODULES + tuple(FUSED_MODULES)
+# the vocabulary ends, by PEFT's module name -> our name for them
+VOCAB_MODULES = {"model.embed_tokens": "embed_tokens", "lm_head": "lm_head"}
 
 
 def _fail(path: object, problem: str) -> AdapterFormatError:
@@ -146,12 +148,14 @@ def _pattern_value(patterns: tuple, key: str, default):
 def resolve_targets(
     cfg: dict, mc: ModelConfig, path: object, max_lora_rank: int | None,
     budget: LoadBudget | None = None,
-) -> dict[tuple[int, str], tuple[int, float]]:
-    """(layer, module) -> (rank, scale) for every module the config targets."""
+) -> dict[tuple[int, str] | str, tuple[int, float]]:
+    """(layer, module), or 'embed_tokens' / 'lm_head', -> (rank, scale) for every module the
+    config targets."""
     budget = budget or LoadBudget()
     names = _model_module_names(mc)
     modules = peft_modules(mc)
     lora_names = {full_name(i, m) for i in range(mc.num_hidden_layers) for m in modules}
+    lora_names |= set(VOCAB_MODULES)  # LoRA on the embedding and lm_head: lora/extras.py
     tm = cfg["target_modules"]
     if tm == "all-linear":  # PEFT's shorthand: every linear but the output layer
         cfg = {**cfg, "target_modules": list(modules)}
@@ -168,7 +172,8 @@ def resolve_targets(
             hits = [n for n in names if _suffix_match([t], n)]
             if not hits or any(n not in lora_names for n in hits):
                 raise _fail(path, f"target module {t!r} is not a LoRA-targetable module of this "
-                                  f"model (supported: {', '.join(modules)})")
+                                  f"model (supported: {', '.join(modules)}, embed_tokens, "
+                                  f"lm_head)")
     ltt = cfg.get("layers_to_transform")
     for i in [ltt] if _is_int(ltt) else ltt or []:
         if not 0 <= i < mc.num_hidden_layers:
@@ -179,14 +184,30 @@ def resolve_targets(
         for m in modules:
             key = full_name(i, m)
             budget.check(path, "matching rank_pattern and alpha_pattern")
-            if not is_targeted(cfg, pats, key):
-                continue
-            r = _pattern_value(pats.rank, key, cfg.get("r", 8))
-            alpha = _pattern_value(pats.alpha, key, cfg.get("lora_alpha", 8))
-            if max_lora_rank is not None and r > max_lora_rank:
-                raise _fail(path, f"rank {r} of {key} exceeds max_lora_rank={max_lora_rank}")
-            sqrt = cfg.get("use_rslora", False)
-            plan[(i, m)] = (r, alpha / (math.sqrt(r) if sqrt else r))
-    if not plan:
+            if is_targeted(cfg, pats, key):
+                plan[(i, m)] = _rank_scale(cfg, pats, key, path, max_lora_rank)
+    for key, name in VOCAB_MODULES.items():
+        budget.check(path, "matching the embedding and lm_head")
+        if is_targeted(cfg, pats, key) or _tied_head(cfg, pats, mc, key):
+            if cfg.get("use_dora"):
+                raise _fail(path, f"DoRA on {name} is not supported yet")
+            plan[name] = _rank_scale(cfg, pats, key, path, max_lora_rank)
+    if not plan and not cfg.get("modules_to_save") and not cfg.get("trainable_token_indices"):
         raise _fail(path, "adapter_config targets no module of this model")
     return plan
+
+
+def _tied_head(cfg: dict, pats: ConfigPatterns, mc: ModelConfig, key: str) -> bool:
+    """PEFT's ensure_weight_tying on a tied model: lm_head's LoRA is the embedding's,
+    transposed (saved as lm_head tensors), though target_modules names only the embedding."""
+    return (key == "lm_head" and mc.tie_word_embeddings and bool(cfg.get("ensure_weight_tying"))
+            and is_targeted(cfg, pats, "model.embed_tokens"))
+
+
+def _rank_scale(cfg: dict, pats: ConfigPatterns, key: str, path: object,
+                max_lora_rank: int | None) -> tuple[int, float]:
+    r = _pattern_value(pats.rank, key, cfg.get("r", 8))
+    alpha = _pattern_value(pats.alpha, key, cfg.get("lora_alpha", 8))
+    if max_lora_rank is not None and r > max_lora_rank:
+        raise _fail(path, f"rank {r} of {key} exceeds max_lora_rank={max_lora_rank}")
+    return r, alpha / (math.sqrt(r) if cfg.get("use_rslora", False) else r)

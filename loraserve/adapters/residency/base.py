@@ -44,6 +44,9 @@ class SlotPool(Protocol):
 
     def before_step(self, slots: Iterable[int]) -> None: ...
 
+    def release(self, slot: int) -> None:
+        """The slot's adapter left it: drop what it holds beyond the preallocated rows."""
+
 
 @dataclass(frozen=True)
 class ResidencyLimits:
@@ -120,7 +123,9 @@ class Residency(ABC):
 
     def drop(self, entry: AdapterEntry) -> None:
         """Forget `entry`'s host weights, and its slot with them (the next write to the slot
-        overwrites all of it)."""
+        overwrites all of it; what the slot holds beyond its preallocated rows goes now)."""
+        if entry.slot is not None:
+            self.slots.release(entry.slot)
         entry.slot = None
         entry.weights = None
 

@@ -84,6 +84,7 @@ class TieredResidency(Residency):
         if victim is None:
             return None
         slot, victim.slot = victim.slot, None
+        self.slots.release(slot)  # the victim's parts beyond B @ A go before the next write
         victim.stats.slot_evictions += 1
         return slot
 

@@ -14,7 +14,6 @@ adapter now for weights that come later, which lengthens the tail of time to fir
 from __future__ import annotations
 
 from collections.abc import Sequence, Set
-from dataclasses import replace
 
 from loraserve.adapters.entry import AdapterEntry
 from loraserve.adapters.format import LoraAdapterWeights
@@ -58,7 +57,7 @@ class UnifiedResidency(Residency):
             cap = self.limits.max_loaded_loras or UNBOUNDED
             self.slots.grow(max(slot + 1, min(2 * len(owners), cap)))
         self.slots.write(slot, weights)  # validates before it writes
-        entry.slot, entry.weights = slot, replace(weights, layers=())  # keep the description
+        entry.slot, entry.weights = slot, weights.description()  # the slot is the one copy
 
     def prefetch(self, window: Sequence[AdapterEntry], protected: Set[int]) -> int:
         return 0  # reading ahead into host memory is the prefetch: the slot comes with it

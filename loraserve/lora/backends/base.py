@@ -14,6 +14,10 @@ unchanged. Adapters of different ranks share a batch, and each segment costs its
 packed rank, never max_lora_rank (the slot layout is lora/layout.py). Segments may be empty.
 A batch with no adapter token has no plan at all (`plan` returns None), so a base-only step
 pays nothing for LoRA.
+
+What an adapter has beyond B @ A (DoRA's column scale, lora_bias, its vocabulary parts:
+lora/extras.py) is applied by `LoraStep`, after the backend's projection, the same for every
+backend; `plan` lists the segments of slots that have any.
 """
 
 from __future__ import annotations
@@ -26,6 +30,12 @@ from typing import Any, ClassVar
 import torch
 
 from loraserve.lora.batch import LoraBatch, SlotWeights
+from loraserve.lora.extras import (
+    ExtraSegment,
+    apply_epilogues,
+    embed_with_extras,
+    head_with_extras,
+)
 from loraserve.lora.layout import GROUP_NAMES
 
 
@@ -35,6 +45,7 @@ class LoraPlan:
 
     batch: LoraBatch
     groups: dict[str, Any]
+    extras: tuple[ExtraSegment, ...] = ()  # segments of slots with parts beyond B @ A
 
 
 class LoraBackend(ABC):
@@ -53,7 +64,14 @@ class LoraBackend(ABC):
             segs = batch.group_segments(g)
             if segs:  # no adapter here targets this group: no work at all
                 groups[g] = self.plan_group(batch, g, segs)
-        return LoraPlan(batch, groups)
+        extras = tuple((s, a, b, ext) for s, a, b in batch.segments
+                       if (ext := self.weights.extras[s]) is not None)
+        return LoraPlan(batch, groups, extras)
+
+    def has_extras(self, seq_slots: Sequence[tuple[int | None, int]]) -> bool:
+        """Whether a slot of this step has parts beyond B @ A (captured graphs lack them)."""
+        return any(s is not None and s >= 0 and n and self.weights.extras[s] is not None
+                   for s, n in seq_slots)
 
     def project(self, plan: LoraPlan, layer: int, group: str, x: torch.Tensor,
                 linear: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -96,8 +114,22 @@ class LoraStep:
         self.backend, self.plan = backend, plan
 
     def __call__(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Adds the B @ A deltas only (no column epilogue: that needs the projection)."""
         self.backend.apply(self.plan, layer, group, x, y)
 
     def project(self, layer: int, group: str, x: torch.Tensor,
                 linear: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        return self.backend.project(self.plan, layer, group, x, linear)
+        y = self.backend.project(self.plan, layer, group, x, linear)
+        if self.plan.extras:
+            apply_epilogues(self.plan.extras, layer, group, y, linear)
+        return y
+
+    def embed(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """The embedding lookup of ids [T] in table [V, d], with adapters' vocabulary parts."""
+        return embed_with_extras(self.plan.extras, ids, table)
+
+    def head(self, rows: torch.Tensor, x: torch.Tensor,
+             lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """lm_head(x) for the hidden states x [B, d] of token rows `rows` [B], with adapters'
+        vocabulary parts on their rows."""
+        return head_with_extras(self.plan.extras, rows, x, lm_head)
