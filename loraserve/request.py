@@ -27,6 +27,7 @@ class Request:
         origin: str | None = None,
         cache_namespace: bytes = b"",
         fork_parent: Request | None = None,
+        grammar: Any = None,
     ):
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
@@ -36,6 +37,8 @@ class Request:
         self.adapter_uid = adapter_uid  # resolved once at admission; None = base model
         self.lora_name = lora_name  # for outputs and logs only, never for lookups
         self.generator = generator  # its own RNG (a torch.Generator) when a seed was given
+        # structured outputs: its grammar matcher (advanced by each sampled token), or None
+        self.grammar = grammar
         self.origin = origin  # the client request it came from (its n x prompts share one)
         # Prefix cache: the namespace of its K/V (the weights they are computed under), the
         # hash chain of its full blocks, and how many of its blocks are indexed.

@@ -75,6 +75,7 @@ class AsyncEngine:
         self.engine = engine  # touched only by the engine thread (and tests)
         self.info: M.EngineInfo = engine.info  # fixed for the engine's lifetime
         self.tokenizer = engine.tokenizer  # read-only: the server tokenizes on its own threads
+        self.grammars = engine.grammars  # thread-safe: the server compiles on its own threads
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._idle_poll_s = idle_poll_s
@@ -101,15 +102,20 @@ class AsyncEngine:
     # --- requests ---------------------------------------------------------------------------
     async def add_request(self, prompt: M.Prompt, params: SamplingParams,
                           lora_name: str | None = None, request_id: str | None = None,
-                          origin: str | None = None,
-                          fork_of: str | None = None) -> RequestStream:
+                          origin: str | None = None, fork_of: str | None = None,
+                          grammar=None) -> RequestStream:
         """Queue a request; raises what `engine.add_request` raised (LoraServeError: 4xx).
         `fork_of`: an earlier request with the same prompt and adapter (n > 1) whose
-        computed prompt this one shares instead of computing it again."""
+        computed prompt this one shares instead of computing it again. `grammar`:
+        params.structured_outputs compiled already; else it is compiled here, on an executor
+        thread (a request waits for its grammar, never the engine step)."""
+        if params.structured_outputs is not None and grammar is None:
+            grammar = await asyncio.get_running_loop().run_in_executor(
+                None, self.grammars.compile, params.structured_outputs)
         rid = request_id or f"req-{uuid.uuid4().hex}"
         q: asyncio.Queue = asyncio.Queue()
         stream = RequestStream(self, rid, q)
-        cmd = M.AddRequest(rid, prompt, params, lora_name, origin, fork_of)
+        cmd = M.AddRequest(rid, prompt, params, lora_name, origin, fork_of, grammar)
         self._cmds.put(_Envelope(cmd, asyncio.get_running_loop(), q))
         try:
             first = await q.get()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from loraserve.adapters.entry import AdapterSnapshot
 from loraserve.adapters.format import LoraAdapterWeights
 from loraserve.config import ModelConfig
+from loraserve.model.structured import CompiledGrammar
 from loraserve.types import SamplingParams
 
 Prompt = str | list[int] | list[dict]
@@ -23,6 +24,7 @@ class AddRequest:
     lora_name: str | None = None
     origin: str | None = None  # sequences of one client request share it (fair admission)
     fork_of: str | None = None  # n > 1: the sibling whose computed prompt this one shares
+    grammar: CompiledGrammar | None = None  # params.structured_outputs, compiled off-thread
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,11 @@ from loraserve.engine.cuda_graphs import DecodeGraphs
 from loraserve.lora.backends import LoraBackend
 from loraserve.model.attention import AttentionBackend, AttentionSeq
 from loraserve.model.llama import LlamaModel
-from loraserve.model.sampler import sample
+from loraserve.model.sampler import SampleResult, sample
+from loraserve.model.structured import GrammarMasker
+from loraserve.request import Request
 from loraserve.scheduler.batch import ScheduledBatch, StepOutput
+from loraserve.types import FinishReason
 
 
 class ModelRunner:
@@ -44,6 +47,7 @@ class ModelRunner:
         # Requests without a seed of their own sample from this one (reproducible per run).
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         self.graphs: DecodeGraphs | None = None
+        self.masker = GrammarMasker(c.vocab_size)  # structured outputs' token masks
 
     def enable_decode_graphs(self, max_bs: int, max_model_len: int, new_graph=None,
                              capture_now: bool = True) -> None:
@@ -110,6 +114,8 @@ class ModelRunner:
                 logits_rows.append(len(ids) - 1)
                 samplers.append(req)
         dev = self.device
+        # constrained rows' masks are filled on other threads while the forward pass runs
+        pending = self.masker.start([r.grammar for r in samplers])
         with torch.inference_mode():
             if self.graphs is not None and self.graphs.fits(attn_seqs, len(samplers)):
                 logits = self.graphs.run(ids, pos, attn_seqs, seq_slots)
@@ -126,6 +132,28 @@ class ModelRunner:
             gens = [self.generator if r.generator is None else r.generator for r in samplers]
             res = sample(logits.float(), [r.params for r in samplers], gens,
                          [r.prompt_token_ids for r in samplers],
-                         [r.output_token_ids for r in samplers], self.eos_token_ids)
-        return StepOutput([r.request_id for r in samplers], res.token_ids, res.logprobs,
-                          res.top_logprobs)
+                         [r.output_token_ids for r in samplers], self.eos_token_ids,
+                         pending)
+        if pending is None:
+            return StepOutput([r.request_id for r in samplers], res.token_ids, res.logprobs,
+                              res.top_logprobs)
+        return _advance_grammars(samplers, res)
+
+
+def _advance_grammars(samplers: list[Request], res: SampleResult) -> StepOutput:
+    """Feed each constrained row's token to its matcher; rows left with no allowed token end
+    without one: "stop" when their grammar was complete, else grammar_dead_end."""
+    dead = set(res.dead)
+    keep = [i for i in range(len(samplers)) if i not in dead]
+    for i in keep:
+        if samplers[i].grammar is not None:
+            samplers[i].grammar.consume_token(res.token_ids[i])
+    ended = tuple((samplers[i].request_id,
+                   FinishReason.STOP if samplers[i].grammar.is_accepting()
+                   else FinishReason.GRAMMAR_DEAD_END) for i in sorted(dead))
+
+    def pick(values):
+        return None if values is None else [values[i] for i in keep]
+
+    return StepOutput([samplers[i].request_id for i in keep], pick(res.token_ids),
+                      pick(res.logprobs), pick(res.top_logprobs), ended)

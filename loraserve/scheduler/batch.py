@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from loraserve.request import Request
+from loraserve.types import FinishReason
 
 
 class ScheduledSeq(NamedTuple):
@@ -50,6 +51,8 @@ class StepOutput:
     token_ids: list[int]
     logprobs: list[float] | None = None  # chosen token's logprob per row, if any row asked
     top_logprobs: list[dict[int, float] | None] | None = None
+    # requests that end without a token this step (their grammar allowed none), and why
+    ended: tuple[tuple[str, FinishReason], ...] = ()
 
     @classmethod
     def empty(cls) -> StepOutput:
@@ -63,4 +66,5 @@ class StepOutput:
         with_lp = any(p.logprobs is not None for p in parts)
         lps = [lp for p in parts for lp in (p.logprobs or [None] * len(p.request_ids))]
         tops = [t for p in parts for t in (p.top_logprobs or [None] * len(p.request_ids))]
-        return cls(ids, tokens, lps if with_lp else None, tops if with_lp else None)
+        ended = tuple(e for p in parts for e in p.ended)
+        return cls(ids, tokens, lps if with_lp else None, tops if with_lp else None, ended)

@@ -1,15 +1,16 @@
 """OpenAI-compatible request and response schemas (plus vLLM/SGLang extras).
 
 Unknown fields are ignored, as the OpenAI clients send some we do not use. Fields that would
-change the answer and that we do not implement (tools, response_format, echo, ...) are refused
-by name when set, never silently ignored.
+change the answer and that we do not implement (echo, suffix, ...) are refused by name when
+set, never silently ignored. Structured outputs (`response_format`, vLLM's
+`structured_outputs`) and tools (chat only) are validated here and compiled by the server.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -36,8 +37,7 @@ class StreamOptions(_Request):
 # Request fields of the OpenAI / vLLM / SGLang schemas that would change the answer and that
 # loraserve does not implement: refused by name unless set to their no-op value, never ignored.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "response_format": ({"type": "text"},), "length_penalty": (1, 1.0),
+    "functions": ([],), "function_call": ("none",), "length_penalty": (1, 1.0),
     "echo": (False,), "suffix": ("",),
     "use_beam_search": (False,), "guided_json": (), "guided_regex": (), "guided_choice": (),
     "guided_grammar": (), "json_schema": (), "regex": (), "ebnf": (), "bad_words": ([],),
@@ -46,6 +46,50 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "include_stop_str_in_output": (False,), "prediction": (), "audio": (),
     "modalities": (["text"],), "reasoning_effort": (), "web_search_options": (),
 }
+
+
+class _Strict(_Request):
+    """A nested object whose every key matters: an unknown key is refused, not ignored."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class JsonSchemaSpec(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format: json_schema is required with type "
+                             "'json_schema' and only there")
+        return self
+
+
+class StructuredOutputsSpec(_Strict):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k)]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("structured_outputs: give exactly one of json, regex, choice, "
+                             f"grammar, json_object (got {len(given)})")
+        return self
 
 
 class _SamplingFields(_Request):
@@ -68,6 +112,8 @@ class _SamplingFields(_Request):
     top_k: int = -1
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsSpec | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -85,6 +131,9 @@ class _SamplingFields(_Request):
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stops) > 16 or any(not s for s in stops):
             raise ValueError("stop: at most 16 non-empty strings")
+        if (self.structured_outputs is not None and self.response_format is not None
+                and self.response_format.type != "text"):
+            raise ValueError("response_format and structured_outputs: give one, not both")
         return self
 
     @property
@@ -111,6 +160,15 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tools(cls, data):
+        if isinstance(data, dict):
+            bad = [k for k in ("tools", "tool_choice", "parallel_tool_calls") if k in data]
+            if bad:
+                raise ValueError(f"{', '.join(bad)}: only on /v1/chat/completions")
+        return data
+
     @model_validator(mode="after")
     def _checks(self):
         if self.best_of not in (None, 1, self.n):
@@ -135,12 +193,55 @@ class ChatMessage(_Request):
     content: str | list[dict] | None = None
 
 
+class FunctionSpec(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None  # arguments always follow the schema when a grammar binds
+
+
+class ToolSpec(_Request):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class _FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: _FunctionName
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolSpec] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _tool_checks(self):
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two functions have the same name")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in "
+                             "tools")
+        if choice in ("auto", "required") and not names or (
+                isinstance(choice, NamedToolChoice) and not names):
+            raise ValueError("tool_choice needs tools")
+        constrained = self.structured_outputs is not None or (
+            self.response_format is not None and self.response_format.type != "text")
+        if constrained and names and self.tool_choice != "none":
+            raise ValueError("tools with response_format or structured_outputs: use "
+                             "tool_choice 'none', or drop the output constraint")
+        return self
 
     @property
     def max_new_tokens(self) -> int | None:

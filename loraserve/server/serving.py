@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from functools import partial
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -20,7 +21,9 @@ from loraserve.server.context import ServerContext, parse_body
 from loraserve.server.errors import ApiError, error_body
 from loraserve.server.formatting import DeltaTracker, LogprobFormatter, full_choice, is_error, sse
 from loraserve.server.metrics import RequestTimer
-from loraserve.types import SEED_RANGE, AdapterNotFoundError, SamplingParams
+from loraserve.server.structured import structured_output_of
+from loraserve.server.tool_calls import ToolDeltaTracker, ToolPlan, tool_choice_message, tool_plan
+from loraserve.types import SEED_RANGE, AdapterNotFoundError, SamplingParams, StructuredOutput
 
 
 async def completions(ctx: ServerContext, request: Request) -> Response:
@@ -33,8 +36,10 @@ async def completions(ctx: ServerContext, request: Request) -> Response:
                             f"{ctx.settings.max_prompts}", "too_many_prompts")
     _check_n(ctx, req.n)
     ids = [await _tokenize(ctx, p) for p in prompts]
-    params = _params(ctx, req, req.max_tokens or 16, max(map(len, ids)), req.logprobs)
-    return await _serve(ctx, request, req, ids, params, lora, chat=False)
+    spec = structured_output_of(req)
+    grammar = await _compile(ctx, spec)
+    params = _params(ctx, req, req.max_tokens or 16, max(map(len, ids)), req.logprobs, spec)
+    return await _serve(ctx, request, req, ids, params, lora, chat=False, grammar=grammar)
 
 
 async def chat_completions(ctx: ServerContext, request: Request) -> Response:
@@ -42,14 +47,19 @@ async def chat_completions(ctx: ServerContext, request: Request) -> Response:
     req = await parse_body(request, P.ChatCompletionRequest)
     lora = ctx.resolve_model(req.model)
     _check_n(ctx, req.n)
-    ids = await _tokenize(ctx, req.message_dicts())
+    plan = tool_plan(req, ctx.tokenizer.tool_format)
+    tools = plan and [t.model_dump(exclude_none=True) for t in req.tools]
+    ids = await _tokenize(ctx, req.message_dicts(), tools)
+    spec = structured_output_of(req) or (plan and plan.constraint())
+    grammar = await _compile(ctx, spec)
     max_tokens = req.max_new_tokens
     if max_tokens is None:  # the room left in the context, within the server's cap
         info = ctx.aengine.info
         room = min(info.max_model_len, info.kv_capacity_tokens) - len(ids)
         max_tokens = max(1, min(ctx.settings.max_tokens_limit, room))
-    params = _params(ctx, req, max_tokens, len(ids), req.num_logprobs)
-    return await _serve(ctx, request, req, [ids], params, lora, chat=True)
+    params = _params(ctx, req, max_tokens, len(ids), req.num_logprobs, spec)
+    return await _serve(ctx, request, req, [ids], params, lora, chat=True, grammar=grammar,
+                        plan=plan)
 
 
 # --- validation -------------------------------------------------------------------------------
@@ -61,12 +71,20 @@ def _check_n(ctx: ServerContext, n: int) -> None:
                             "(--max-n)", "n_too_large")
 
 
-async def _tokenize(ctx: ServerContext, prompt) -> list[int]:
+async def _compile(ctx: ServerContext, spec: StructuredOutput | None):
+    """The constraint compiled (or found in the cache) on an executor thread, before the
+    request reaches the engine; one that cannot be compiled is a 400 naming why."""
+    if spec is None:
+        return None
+    return await ctx.run_blocking(ctx.aengine.grammars.compile, spec)
+
+
+async def _tokenize(ctx: ServerContext, prompt, tools: list[dict] | None = None) -> list[int]:
     if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
         ids = list(prompt)  # token ids: the engine checks their range
     else:
         fn = ctx.tokenizer.encode if isinstance(prompt, str) else \
-            ctx.tokenizer.apply_chat_template
+            partial(ctx.tokenizer.apply_chat_template, tools=tools)
         try:
             ids = await ctx.run_blocking(fn, prompt)
         except ValueError as e:  # e.g. the chat template rejected the messages
@@ -81,7 +99,7 @@ async def _tokenize(ctx: ServerContext, prompt) -> list[int]:
 
 
 def _params(ctx: ServerContext, req, max_tokens: int, prompt_len: int,
-            logprobs: int | None) -> SamplingParams:
+            logprobs: int | None, structured: StructuredOutput | None) -> SamplingParams:
     limit = ctx.settings.max_tokens_limit
     if max_tokens > limit:
         raise ApiError(400, f"max_tokens={max_tokens} is over this server's limit of {limit} "
@@ -93,7 +111,8 @@ def _params(ctx: ServerContext, req, max_tokens: int, prompt_len: int,
             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
             logprobs=logprobs, repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            min_tokens=req.min_tokens, min_p=req.min_p, logit_bias=req.logit_bias_pairs)
+            min_tokens=req.min_tokens, min_p=req.min_p, logit_bias=req.logit_bias_pairs,
+            structured_outputs=structured)
     except ValueError as e:
         raise ApiError(400, str(e), "invalid_sampling_params") from e
 
@@ -108,7 +127,7 @@ def _nth_seed(seed: int, j: int) -> int:
 
 
 async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: SamplingParams,
-                  lora: str | None) -> list[RequestStream]:
+                  lora: str | None, grammar=None) -> list[RequestStream]:
     """Admit prompts x n sequences, all or none. Choice index = prompt * n + j."""
     base_id = P.new_id("cmpl")
     jobs = []
@@ -119,7 +138,8 @@ async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: Samplin
             # choice 0 computes the prompt; the others fork from its K/V (copy-on-write)
             jobs.append(ctx.aengine.add_request(prompt, sp, lora, f"{base_id}-{i}-{j}",
                                                 origin=base_id,
-                                                fork_of=f"{base_id}-{i}-0" if j else None))
+                                                fork_of=f"{base_id}-{i}-0" if j else None,
+                                                grammar=grammar))
     results = await asyncio.gather(*jobs, return_exceptions=True)
     streams = [r for r in results if isinstance(r, RequestStream)]
     errors = [r for r in results if not isinstance(r, RequestStream)]
@@ -132,8 +152,9 @@ async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: Samplin
     return streams
 
 
-async def _serve(ctx: ServerContext, request: Request, req, ids, params, lora, chat: bool):
-    streams = await _submit(ctx, req, ids, params, lora)
+async def _serve(ctx: ServerContext, request: Request, req, ids, params, lora, chat: bool,
+                 grammar=None, plan: ToolPlan | None = None):
+    streams = await _submit(ctx, req, ids, params, lora, grammar)
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     model = req.model or ctx.model_name
     prompt_tokens = sum(map(len, ids))
@@ -141,7 +162,7 @@ async def _serve(ctx: ServerContext, request: Request, req, ids, params, lora, c
     lp = LogprobFormatter(ctx.tokenizer)
     if req.stream:
         gen = _stream(streams, timers, lp, rid, model, chat, req.include_usage, prompt_tokens,
-                      req.n)
+                      req.n, plan)
         return StreamingResponse(gen, media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
     outs = await _collect(ctx, request, streams, timers)
@@ -152,6 +173,8 @@ async def _serve(ctx: ServerContext, request: Request, req, ids, params, lora, c
             status, body = _error_of(out)
             return JSONResponse(body, status_code=status)
     choices = [full_choice(i, out, lp, chat) for i, out in enumerate(outs)]
+    if plan is not None:
+        choices = [tool_choice_message(plan, c, out) for c, out in zip(choices, outs, strict=True)]
     completion = sum(len(o.token_ids) for o in outs)
     cached = sum(o.num_cached_tokens for o in outs[::req.n])  # each prompt once, as counted
     return JSONResponse(P.completion_response(rid, model, choices,
@@ -219,8 +242,10 @@ async def _merge(streams: list[RequestStream]):
             fut.cancel()
 
 
-async def _stream(streams, timers, lp, rid, model, chat, include_usage, prompt_tokens, n):
-    trackers = [DeltaTracker(i, lp, chat) for i in range(len(streams))]
+async def _stream(streams, timers, lp, rid, model, chat, include_usage, prompt_tokens, n,
+                  plan: ToolPlan | None = None):
+    trackers = [DeltaTracker(i, lp, chat) if plan is None else ToolDeltaTracker(i, lp, plan)
+                for i in range(len(streams))]
     completion = cached = 0
 
     def chunk(choices, use=None):
