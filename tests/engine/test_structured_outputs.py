@@ -191,3 +191,16 @@ def test_mask_bits_map_to_tokens_in_order():
     assert torch.isfinite(out[1]).all()  # unconstrained row untouched
     assert torch.isfinite(out[2]).nonzero().flatten().tolist() == [67]
     assert torch.isfinite(logits).all()  # the caller's logits are left as they were
+
+
+def test_a_mask_dropped_while_filling_is_harmless(tiny_model_dir):
+    # a failed forward pass drops its PendingMask while the native fill may still be writing
+    llm = LLM(str(tiny_model_dir))
+    grammar = llm.engine.grammars.compile(json_spec(PERSON))
+    matchers = [grammar.new_matcher() for _ in range(32)]
+    masker = llm.engine.runner.masker
+    for _ in range(20):
+        masker.start(matchers)  # dropped at once
+    again = masker.start(matchers)
+    allowed = again.allowed(masker.vocab_size, torch.device("cpu"))
+    assert allowed.shape == (32, masker.vocab_size) and allowed.any(dim=-1).all()
