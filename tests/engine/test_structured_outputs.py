@@ -50,7 +50,8 @@ CONSTRAINTS = [
 UNBOUNDED = CONSTRAINTS[-1][0]
 SAMPLING = [dict(), dict(top_p=0.9), dict(top_k=20), dict(min_p=0.05),
             dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5),
-            dict(logit_bias={7: 4.0, 40: -50.0}), dict(min_tokens=2), dict(ignore_eos=True)]
+            dict(logit_bias={7: 4.0, 40: -50.0}), dict(min_tokens=2), dict(ignore_eos=True),
+            dict(logprobs=2, top_k=50, top_p=0.8)]
 
 
 @pytest.fixture(scope="module")
@@ -204,3 +205,16 @@ def test_a_mask_dropped_while_filling_is_harmless(tiny_model_dir):
     again = masker.start(matchers)
     allowed = again.allowed(masker.vocab_size, torch.device("cpu"))
     assert allowed.shape == (32, masker.vocab_size) and allowed.any(dim=-1).all()
+
+
+def test_json_whitespace_is_bounded(tiny_model_dir):
+    # one space after ',' and ':' only: no newline runs, no indentation, no double spaces
+    llm = LLM(str(tiny_model_dir))
+    grammar = llm.engine.grammars.compile(json_spec(PERSON))
+    encode = llm.tokenizer.encode
+    ok = grammar.new_matcher()
+    assert ok.consume_tokens(encode('{"name": "ab", "age": 3, "tag": "red"}'))
+    assert ok.is_accepting()
+    for bad in ('{\n', '{ "name"', '{"name":  "a"', '{"name":"a"', '{"name": "a",\n'):
+        m = grammar.new_matcher()
+        assert not m.consume_tokens(encode(bad)), bad
