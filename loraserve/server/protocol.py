@@ -233,8 +233,7 @@ class ChatCompletionRequest(_SamplingFields):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in "
                              "tools")
-        if choice in ("auto", "required") and not names or (
-                isinstance(choice, NamedToolChoice) and not names):
+        if choice in ("auto", "required") and not names:
             raise ValueError("tool_choice needs tools")
         constrained = self.structured_outputs is not None or (
             self.response_format is not None and self.response_format.type != "text")
