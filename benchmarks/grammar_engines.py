@@ -13,6 +13,7 @@ import json
 import random
 import statistics
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import llguidance
@@ -102,8 +103,7 @@ def main() -> None:
                              for k, v in compile_s.items()},
               "fill_32_rows_ms": {k: {"median": 1e3 * statistics.median(v),
                                       "p90": pct(v, 0.9)} for k, v in fill_s.items()},
-              "versions": {"llguidance": llguidance.__version__,
-                           "xgrammar": xgr.__version__}}
+              "versions": {"llguidance": version("llguidance"), "xgrammar": version("xgrammar")}}
     print(json.dumps(result, indent=2))
     print("wrote", write_result("grammar_engines", result))
 
