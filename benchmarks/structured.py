@@ -157,6 +157,8 @@ def main() -> None:
                            for f, v in steps.items()},
         "ratio_vs_0%": {f"{int(f * 100)}%": statistics.median(v) / base
                         for f, v in steps.items()},
+        "per_round_ms": {f"{int(f * 100)}%": [round(1e3 * x, 1) for x in v]
+                         for f, v in steps.items()},
         "mask_at_100%_ms": {"fill_wait_after_forward": 1e3 * statistics.median(fills),
                             "apply": 1e3 * statistics.median(applies),
                             "fill_alone_32_rows": 1e3 * fill_alone(llm, spec)},
