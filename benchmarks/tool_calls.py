@@ -2,8 +2,9 @@
 with every lora_B zeroed: the base's weights under an adapter's route) and a demo adapter, on
 the same prompts, each of which calls for one of the tools. A turn is a defect when its output
 does not parse into at least one call of a listed tool whose arguments validate against that
-tool's schema. tool_choice "auto": reported (the model may also answer in text); "required":
-the grammar makes every finished turn a valid call, so its rate must be 0.
+tool's schema; turns cut by max_tokens are counted apart ("length") and not judged.
+tool_choice "auto": reported (the model may also answer in text); "required": the grammar
+makes every finished turn a valid call, so its rate must be 0.
 
     PYTHONPATH=. .venv/bin/python benchmarks/tool_calls.py [--seeds 3]
 """
@@ -102,23 +103,26 @@ def main() -> None:
                 for seed in range(args.seeds):
                     chats.append(llm.tokenizer.apply_chat_template(
                         [{"role": "user", "content": prompt}], tools=TOOLS))
-                    params.append(SamplingParams(max_tokens=160, temperature=args.temperature,
+                    params.append(SamplingParams(max_tokens=256, temperature=args.temperature,
                                                  seed=1000 * i + seed, structured_outputs=spec))
                     loras.append(lora)
                     keys.append(route)
         outs = llm.generate(chats, params, lora=loras)
         table = {}
         for route, out in zip(keys, outs, strict=True):
-            row = table.setdefault(route, {"turns": 0, "defects": 0, "length": 0, "kinds": {}})
+            row = table.setdefault(route, {"turns": 0, "length": 0, "judged": 0, "defects": 0,
+                                           "kinds": {}})
             row["turns"] += 1
-            kind = verdict(plan, out.text)
             if out.finish_reason is FinishReason.LENGTH:
                 row["length"] += 1
+                continue
+            row["judged"] += 1
+            kind = verdict(plan, out.text)
             if kind != "ok":
                 row["defects"] += 1
                 row["kinds"][kind] = row["kinds"].get(kind, 0) + 1
         for row in table.values():
-            row["defect_rate"] = row["defects"] / row["turns"]
+            row["defect_rate"] = row["defects"] / max(1, row["judged"])
         result[mode] = table
     print(json.dumps(result, indent=2))
     print("wrote", write_result("tool_calls", result))
