@@ -29,6 +29,7 @@ class Request:
         client_id: str | None = None,
         cache_namespace: bytes = b"",
         fork_parent: Request | None = None,
+        grammar: Any = None,
     ):
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
@@ -39,6 +40,8 @@ class Request:
         self.lora_name = lora_name  # for outputs and logs only, never for lookups
         self.adapter_version: int | None = None  # the version of lora_name it is bound to
         self.generator = generator  # its own RNG (a torch.Generator) when a seed was given
+        # structured outputs: its grammar matcher (advanced by each sampled token), or None
+        self.grammar = grammar
         self.origin = origin  # the client request it came from (its n x prompts share one)
         # who sent it, for fairness between clients: the API key's tenant, else the
         # connection's address (None: the offline API)

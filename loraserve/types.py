@@ -27,6 +27,30 @@ class FinishReason(StrEnum):
     LENGTH = "length"  # max_tokens or the model's context length
     ABORT = "abort"  # client gone or aborted by the caller
     ERROR = "error"  # the request failed (e.g. its adapter failed to load)
+    # its grammar allowed no token that its other sampling fields allowed (e.g. stop ids it
+    # needed were masked by min_tokens): the output is cut where it was, never sampled from NaN
+    GRAMMAR_DEAD_END = "grammar_dead_end"
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output text, compiled into a grammar per tokenizer.
+
+    kind: "json" (spec: a JSON schema, as JSON text), "regex", "choice" (spec: a JSON list of
+    strings) or "grammar" (spec: a Lark grammar, llguidance's dialect)."""
+
+    kind: str
+    spec: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}, "
+                             f"got {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise ValueError("structured output spec must be a string")
 
 
 @dataclass(frozen=True)
@@ -51,6 +75,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop ids/strings cannot end the output before this many
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    structured_outputs: StructuredOutput | None = None  # output constrained to a grammar
 
     def __post_init__(self) -> None:
         # Accept lists for convenience while keeping the object hashable and immutable.

@@ -116,6 +116,7 @@ class AsyncEngine:
         self.info: M.EngineInfo = engine.info  # fixed for the engine's lifetime
         self.tokenizer = engine.tokenizer  # read-only: the server tokenizes on its own threads
         self.max_unread_outputs: int = engine.config.max_unread_outputs
+        self.grammars = engine.grammars  # thread-safe: the server compiles on its own threads
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}
         self._idle_poll_s = idle_poll_s
@@ -159,14 +160,19 @@ class AsyncEngine:
                           lora_name: str | None = None, request_id: str | None = None,
                           origin: str | None = None,
                           fork_of: str | None = None,
-                          client_id: str | None = None) -> RequestStream:
+                          client_id: str | None = None, grammar=None) -> RequestStream:
         """Queue a request; raises what `engine.add_request` raised (LoraServeError: 4xx).
         `fork_of`: an earlier request with the same prompt and adapter (n > 1) whose
-        computed prompt this one shares instead of computing it again."""
+        computed prompt this one shares instead of computing it again. `grammar`:
+        params.structured_outputs compiled already; else it is compiled here, on an executor
+        thread (a request waits for its grammar, never the engine step)."""
+        if params.structured_outputs is not None and grammar is None:
+            grammar = await asyncio.get_running_loop().run_in_executor(
+                None, self.grammars.compile, params.structured_outputs)
         rid = request_id or f"req-{uuid.uuid4().hex}"
         q: asyncio.Queue = asyncio.Queue()
         stream = RequestStream(self, rid, q, self.max_unread_outputs)
-        cmd = M.AddRequest(rid, prompt, params, lora_name, origin, fork_of, client_id)
+        cmd = M.AddRequest(rid, prompt, params, lora_name, origin, fork_of, client_id, grammar)
         self._cmds.put(_Envelope(cmd, asyncio.get_running_loop(), stream))
         try:
             first = await q.get()

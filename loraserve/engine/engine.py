@@ -37,6 +37,7 @@ from loraserve.model.attention import create_attention_backend
 from loraserve.model.base_weights import ModelBaseWeights
 from loraserve.model.bundled import resolve_model_path
 from loraserve.model.loader import load_model
+from loraserve.model.structured import CompiledGrammar, GrammarCompiler
 from loraserve.model.tokenizer import Tokenizer
 from loraserve.ops.native_memory import MemoryTrimmer
 from loraserve.request import Request
@@ -91,6 +92,8 @@ class LLMEngine:
         if graphs:
             self.runner.enable_decode_graphs(c.cuda_graph_max_bs, self.max_model_len)
         self.scheduler = Scheduler(c, self.kv, self.store, eos, self.max_model_len)
+        # adapters change no token embedding, so every route shares the base's grammars
+        self.grammars = GrammarCompiler(self.tokenizer.hf, mc.vocab_size, eos)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.info = M.EngineInfo(
             model_name=mc.name, model_path=str(self.model_path), model_config=mc,
@@ -121,6 +124,7 @@ class LLMEngine:
                                    time.perf_counter() - start)
             ended += broken
             sampled = sched.update_from_output(batch, output)
+            ended += sched.end_without_token(batch, output)
             for req in self.output_processor.process(sampled):  # ended by a stop string
                 sched.finish(req, FinishReason.STOP)
         elif sched.waiting and not sched.running:
@@ -228,7 +232,10 @@ class LLMEngine:
     def add_request(self, prompt: M.Prompt, params: SamplingParams,
                     lora_name: str | None = None, request_id: str | None = None,
                     origin: str | None = None, fork_of: str | None = None,
-                    client_id: str | None = None) -> Request:
+                    client_id: str | None = None,
+                    grammar: CompiledGrammar | None = None) -> Request:
+        """`grammar`: params.structured_outputs compiled off this thread (the server does);
+        None compiles it here."""
         ids = self.tokenize(prompt)
         if not ids:
             raise RequestTooLargeError("the prompt is empty")
@@ -247,6 +254,8 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured_outputs)
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -261,8 +270,8 @@ class LLMEngine:
             parent = None
         req = Request(request_id, ids, params, adapter_uid=uid, lora_name=lora_name,
                       generator=gen, origin=origin, client_id=client_id,
-                      cache_namespace=namespace,
-                      fork_parent=parent)
+                      cache_namespace=namespace, fork_parent=parent,
+                      grammar=None if grammar is None else grammar.new_matcher())
         if uid is not None:  # the version it is bound to, for its outputs
             req.adapter_version = self.store.version(uid)
         self.requests[request_id] = req
@@ -335,7 +344,7 @@ class LLMEngine:
         match cmd:
             case M.AddRequest():
                 return self.add_request(cmd.prompt, cmd.params, cmd.lora_name, cmd.request_id,
-                                        cmd.origin, cmd.fork_of, cmd.client_id)
+                                        cmd.origin, cmd.fork_of, cmd.client_id, cmd.grammar)
             case M.AbortRequest():
                 return self.abort(cmd.request_id)
             case M.PauseRequest():

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from loraserve.adapters.entry import AdapterSnapshot
 from loraserve.adapters.format import LoraAdapterWeights
 from loraserve.config import ModelConfig
+from loraserve.model.structured import CompiledGrammar
 from loraserve.types import SamplingParams
 
 Prompt = str | list[int] | list[dict]
@@ -24,6 +25,7 @@ class AddRequest:
     origin: str | None = None  # sequences of one client request share it (fair admission)
     fork_of: str | None = None  # n > 1: the sibling whose computed prompt this one shares
     client_id: str | None = None  # the client identity used for fairness (see Request)
+    grammar: CompiledGrammar | None = None  # params.structured_outputs, compiled off-thread
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,11 @@ from loraserve.lora.backends import LoraBackend
 from loraserve.model.attention import AttentionBackend, AttentionSeq
 from loraserve.model.llama import LlamaModel
 from loraserve.model.prompt_logprobs import score_tokens
-from loraserve.model.sampler import sample
+from loraserve.model.sampler import SampleResult, sample
+from loraserve.model.structured import GrammarMasker
 from loraserve.request import Request
 from loraserve.scheduler.batch import ScheduledBatch, StepOutput
-from loraserve.types import PromptLogprob
+from loraserve.types import FinishReason, PromptLogprob
 
 
 class ModelRunner:
@@ -47,6 +48,7 @@ class ModelRunner:
         # Requests without a seed of their own sample from this one (reproducible per run).
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         self.graphs: DecodeGraphs | None = None
+        self.masker = GrammarMasker(c.vocab_size)  # structured outputs' token masks
 
     def enable_decode_graphs(self, max_bs: int, max_model_len: int, new_graph=None,
                              capture_now: bool = True) -> None:
@@ -119,6 +121,8 @@ class ModelRunner:
                 samplers.append(req)
         logits_rows = [row for _, _, row in scored] + sample_rows
         dev = self.device
+        # constrained rows' masks are filled on other threads while the forward pass runs
+        pending = self.masker.start([r.grammar for r in samplers])
         with torch.inference_mode():
             # a captured graph has no adapter parts beyond B @ A: such steps run eagerly
             if (self.graphs is not None and self.graphs.fits(attn_seqs, len(samplers))
@@ -139,9 +143,12 @@ class ModelRunner:
             gens = [self.generator if r.generator is None else r.generator for r in samplers]
             res = sample(logits.float(), [r.params for r in samplers], gens,
                          [r.prompt_token_ids for r in samplers],
-                         [r.output_token_ids for r in samplers], self.eos_token_ids)
-        return StepOutput([r.request_id for r in samplers], res.token_ids, res.logprobs,
-                          res.top_logprobs, scores)
+                         [r.output_token_ids for r in samplers], self.eos_token_ids,
+                         pending)
+        if pending is None:
+            return StepOutput([r.request_id for r in samplers], res.token_ids, res.logprobs,
+                              res.top_logprobs, prompt_logprobs=scores)
+        return _advance_grammars(samplers, res, scores)
 
     @staticmethod
     def _prompt_scores(scored: list[tuple[Request, int, int]],
@@ -155,3 +162,24 @@ class ModelRunner:
         for (req, p, _), v in zip(scored, values, strict=True):
             out.setdefault(req.request_id, []).append((p, v))
         return out
+
+
+def _advance_grammars(samplers: list[Request], res: SampleResult,
+                      scores: dict[str, list[tuple[int, PromptLogprob]]]) -> StepOutput:
+    """Feed each constrained row's token to its matcher; rows left with no allowed token end
+    without one: "stop" when their grammar was complete, else grammar_dead_end."""
+    dead = set(res.dead)
+    keep = [i for i in range(len(samplers)) if i not in dead]
+    for i in keep:
+        if samplers[i].grammar is not None:
+            samplers[i].grammar.consume_token(res.token_ids[i])
+    ended = tuple((samplers[i].request_id,
+                   FinishReason.STOP if samplers[i].grammar.is_accepting()
+                   else FinishReason.GRAMMAR_DEAD_END) for i in sorted(dead))
+
+    def pick(values):
+        return None if values is None else [values[i] for i in keep]
+
+    return StepOutput([samplers[i].request_id for i in keep], pick(res.token_ids),
+                      pick(res.logprobs), pick(res.top_logprobs), prompt_logprobs=scores,
+                      ended=ended)

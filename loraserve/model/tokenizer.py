@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from functools import cached_property
 from pathlib import Path
+
+from loraserve.model.tools import ToolFormat, detect_tool_format
+from loraserve.model.tools.base import arguments_object
 
 REPLACEMENT = "\ufffd"  # what a decode yields for an incomplete UTF-8 sequence
 
@@ -51,24 +55,41 @@ class Tokenizer:
             list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
-    def render_chat(self, messages: list[dict]) -> str:
-        """The chat template applied to `messages`, ending with the assistant prompt."""
+    @cached_property
+    def tool_format(self) -> ToolFormat:
+        """The tool-call syntax of this model's family (model/tools/)."""
+        return detect_tool_format(self.hf.chat_template, self.hf.get_vocab())
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The chat template applied to `messages` (and `tools`, OpenAI's shape), ending with
+        the assistant prompt. Templates that render no tools get them written into the
+        messages in the family's format (model/tools/)."""
         if not self.has_chat_template:
             raise ValueError(f"the model at {self.path} has no chat template; use completions")
         from jinja2 import TemplateError
 
+        fmt = self.tool_format
+        kwargs = {}
+        if fmt.native:
+            messages = [_native_tool_calls(m) for m in messages]
+            if tools:
+                kwargs["tools"] = tools
+        else:
+            messages = fmt.render_messages(messages, tools or [])
         try:
             return self.hf.apply_chat_template(
                 [_normalize_message(m) for m in messages],
                 tokenize=False,
                 add_generation_prompt=True,
+                **kwargs,
             )
         except TemplateError as e:  # e.g. "roles must alternate": the client's fault
             raise ValueError(f"chat template rejected the messages: {e}") from e
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict],
+                            tools: list[dict] | None = None) -> list[int]:
         # The template already writes any BOS it wants, so add no special tokens again.
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools), add_special_tokens=False)
 
 
 
@@ -83,6 +104,16 @@ def _normalize_message(message: dict) -> dict:
     elif content is None:
         message = {**message, "content": ""}
     return message
+
+
+def _native_tool_calls(message: dict) -> dict:
+    """Templates read a call's arguments as an object; OpenAI sends them as JSON text."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    fixed = [{**c, "function": {**c.get("function", {}), "arguments": arguments_object(c)}}
+             for c in calls]
+    return {**message, "tool_calls": fixed}
 
 
 def _eos_ids(path: Path, tokenizer_eos: int | None) -> set[int]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from loraserve.request import Request
-from loraserve.types import PromptLogprob
+from loraserve.types import FinishReason, PromptLogprob
 
 
 class ScheduledSeq(NamedTuple):
@@ -58,6 +58,8 @@ class StepOutput:
     top_logprobs: list[dict[int, float] | None] | None = None
     # requests scoring their prompt: (prompt position, its logprob) for the positions computed
     prompt_logprobs: dict[str, list[tuple[int, PromptLogprob]]] = field(default_factory=dict)
+    # requests that end without a token this step (their grammar allowed none), and why
+    ended: tuple[tuple[str, FinishReason], ...] = ()
 
     @classmethod
     def empty(cls) -> StepOutput:
@@ -72,4 +74,6 @@ class StepOutput:
         lps = [lp for p in parts for lp in (p.logprobs or [None] * len(p.request_ids))]
         tops = [t for p in parts for t in (p.top_logprobs or [None] * len(p.request_ids))]
         scores = {rid: v for p in parts for rid, v in p.prompt_logprobs.items()}
-        return cls(ids, tokens, lps if with_lp else None, tops if with_lp else None, scores)
+        ended = tuple(e for p in parts for e in p.ended)
+        return cls(ids, tokens, lps if with_lp else None, tops if with_lp else None,
+                   prompt_logprobs=scores, ended=ended)

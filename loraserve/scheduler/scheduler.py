@@ -326,9 +326,20 @@ class Scheduler:
             sampled.append(req)
         return sampled
 
+    def end_without_token(self, batch: ScheduledBatch, output: StepOutput) -> list[Request]:
+        """End the requests the step could give no token (StepOutput.ended)."""
+        by_id = {req.request_id: req for req, _ in batch.entries}
+        ended = []
+        for rid, reason in output.ended:
+            self.finish(by_id[rid], reason)
+            ended.append(by_id[rid])
+        return ended
+
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         p = req.params
-        stop = token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        # A grammar allows EOS only once its text is complete: then EOS ends it, ignore_eos or not.
+        eos_stops = not p.ignore_eos or req.grammar is not None
+        stop = token in p.stop_token_ids or (eos_stops and token in self.eos_token_ids)
         if stop and req.num_output_tokens > p.min_tokens:  # the sampler masks them before
             return FinishReason.STOP
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:

@@ -2,14 +2,16 @@
 
 Every top-level request field is either one of a model's own, a no-op, or refused by name
 (server/request_fields.py): an unknown or unimplemented field is never silently ignored.
-Validation errors name their field (`param` in the OpenAI error object).
+Validation errors name their field (`param` in the OpenAI error object). Structured outputs
+(`response_format`, vLLM's `structured_outputs`) and tools (chat only) are validated here and
+compiled by the server.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -43,6 +45,50 @@ class StreamOptions(_Request):
     include_obfuscation: bool = False
 
 
+class _Strict(_Request):
+    """A nested object whose every key matters: an unknown key is refused, not ignored."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class JsonSchemaSpec(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format: json_schema is required with type "
+                             "'json_schema' and only there")
+        return self
+
+
+class StructuredOutputsSpec(_Strict):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k)]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("structured_outputs: give exactly one of json, regex, choice, "
+                             f"grammar, json_object (got {len(given)})")
+        return self
+
+
 class _SamplingFields(_Request):
     _sampling: ClassVar[bool] = True
     model: str | None = None
@@ -67,6 +113,8 @@ class _SamplingFields(_Request):
     # per prompt token: its logprob and the top k (vLLM); the prompt is computed, not reused
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (vLLM)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsSpec | None = None
 
     @field_validator("stop")
     @classmethod
@@ -83,6 +131,14 @@ class _SamplingFields(_Request):
             if not key.strip().isdigit():
                 raise invalid("logit_bias", f"logit_bias: keys are token ids, got {key[:40]!r}")
         return bias
+
+    @model_validator(mode="after")
+    def _one_output_constraint(self):
+        if (self.structured_outputs is not None and self.response_format is not None
+                and self.response_format.type != "text"):
+            raise invalid("structured_outputs", "response_format and structured_outputs: give "
+                                                "one, not both")
+        return self
 
     @property
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
@@ -102,6 +158,15 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(16, ge=0)  # 0: score the prompt only (prompt_logprobs)
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tools(cls, data):
+        if isinstance(data, dict):
+            bad = [k for k in ("tools", "tool_choice", "parallel_tool_calls") if k in data]
+            if bad:
+                raise invalid(bad[0], f"{', '.join(bad)}: only on /v1/chat/completions")
+        return data
 
     @model_validator(mode="after")
     def _checks(self):
@@ -130,8 +195,32 @@ class ChatMessage(_Request):
     content: str | list[dict] | None = None
 
 
+class FunctionSpec(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None  # arguments always follow the schema when a grammar binds
+
+
+class ToolSpec(_Request):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class _FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: _FunctionName
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolSpec] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -142,6 +231,24 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs", "top_logprobs: logprobs must be true when "
                                           "top_logprobs is set")
+        return self
+
+    @model_validator(mode="after")
+    def _tool_checks(self):
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise invalid("tools", "tools: two functions have the same name")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise invalid("tool_choice", f"tool_choice names {choice.function.name!r}, which "
+                                         "is not in tools")
+        if choice in ("auto", "required") and not names:
+            raise invalid("tool_choice", "tool_choice needs tools")
+        constrained = self.structured_outputs is not None or (
+            self.response_format is not None and self.response_format.type != "text")
+        if constrained and names and self.tool_choice != "none":
+            raise invalid("tools", "tools with response_format or structured_outputs: use "
+                                   "tool_choice 'none', or drop the output constraint")
         return self
 
     @property

@@ -14,12 +14,11 @@ from pydantic_core import PydanticCustomError
 # Fields of the OpenAI / vLLM / SGLang schemas that would change the answer and that loraserve
 # does not implement: refused by name unless set to their no-op value.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "response_format": ({"type": "text"},), "length_penalty": (1, 1.0),
+    "functions": ([],), "function_call": ("none",), "length_penalty": (1, 1.0),
     "echo": (False,), "suffix": ("",),
     "use_beam_search": (False,), "guided_json": (), "guided_regex": (), "guided_choice": (),
     "guided_grammar": (), "json_schema": (), "regex": (), "ebnf": (), "bad_words": ([],),
-    "structured_outputs": (), "guided_decoding_backend": (),
+    "guided_decoding_backend": (),
     "allowed_token_ids": (), "truncate_prompt_tokens": (),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "include_stop_str_in_output": (False,), "prediction": (), "audio": (),
@@ -29,8 +28,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
 
 # OpenAI fields that only label or route a request and cannot change its answer. (A
 # client's cache key is never used as one: the prefix cache keys by the weights' content.)
-NO_OP_FIELDS = frozenset({"metadata", "safety_identifier", "prompt_cache_key",
-                          "parallel_tool_calls"})
+NO_OP_FIELDS = frozenset({"metadata", "safety_identifier", "prompt_cache_key"})
 
 
 def invalid(param: str | None, message: str) -> PydanticCustomError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from functools import partial
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -22,7 +23,9 @@ from loraserve.server.errors import ApiError, error_body, retry_headers
 from loraserve.server.formatting import DeltaTracker, LogprobFormatter, full_choice, is_error, sse
 from loraserve.server.metrics import RequestTimer
 from loraserve.server.quotas import record_usage
-from loraserve.types import SEED_RANGE, AdapterNotFoundError, SamplingParams
+from loraserve.server.structured import structured_output_of
+from loraserve.server.tool_calls import ToolDeltaTracker, ToolPlan, tool_choice_message, tool_plan
+from loraserve.types import SEED_RANGE, AdapterNotFoundError, SamplingParams, StructuredOutput
 
 
 async def completions(ctx: ServerContext, request: Request) -> Response:
@@ -35,9 +38,11 @@ async def completions(ctx: ServerContext, request: Request) -> Response:
                             f"{ctx.settings.max_prompts}", "too_many_prompts")
     _check_n(ctx, req.n)
     ids = [await _tokenize(ctx, p) for p in prompts]
+    spec = structured_output_of(req)
+    grammar = await _compile(ctx, spec)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    params = _params(ctx, req, max_tokens, max(map(len, ids)), req.logprobs)
-    return await _serve(ctx, request, req, ids, params, lora, chat=False)
+    params = _params(ctx, req, max_tokens, max(map(len, ids)), req.logprobs, spec)
+    return await _serve(ctx, request, req, ids, params, lora, chat=False, grammar=grammar)
 
 
 async def chat_completions(ctx: ServerContext, request: Request) -> Response:
@@ -45,14 +50,19 @@ async def chat_completions(ctx: ServerContext, request: Request) -> Response:
     req = await parse_body(request, P.ChatCompletionRequest)
     lora = ctx.resolve_model(req.model, _tenant(request))
     _check_n(ctx, req.n)
-    ids = await _tokenize(ctx, req.message_dicts())
+    plan = tool_plan(req, ctx.tokenizer.tool_format)
+    tools = plan and [t.model_dump(exclude_none=True) for t in req.tools]
+    ids = await _tokenize(ctx, req.message_dicts(), tools)
+    spec = structured_output_of(req) or (plan and plan.constraint())
+    grammar = await _compile(ctx, spec)
     max_tokens = req.max_new_tokens
     if max_tokens is None:  # the room left in the context, within the server's cap
         info = ctx.aengine.info
         room = min(info.max_model_len, info.kv_capacity_tokens) - len(ids)
         max_tokens = max(1, min(ctx.settings.max_tokens_limit, room))
-    params = _params(ctx, req, max_tokens, len(ids), req.num_logprobs)
-    return await _serve(ctx, request, req, [ids], params, lora, chat=True)
+    params = _params(ctx, req, max_tokens, len(ids), req.num_logprobs, spec)
+    return await _serve(ctx, request, req, [ids], params, lora, chat=True, grammar=grammar,
+                        plan=plan)
 
 
 # --- validation -------------------------------------------------------------------------------
@@ -78,12 +88,20 @@ def _check_n(ctx: ServerContext, n: int) -> None:
                             "(--max-n)", "n_too_large")
 
 
-async def _tokenize(ctx: ServerContext, prompt) -> list[int]:
+async def _compile(ctx: ServerContext, spec: StructuredOutput | None):
+    """The constraint compiled (or found in the cache) on an executor thread, before the
+    request reaches the engine; one that cannot be compiled is a 400 naming why."""
+    if spec is None:
+        return None
+    return await ctx.run_blocking(ctx.aengine.grammars.compile, spec)
+
+
+async def _tokenize(ctx: ServerContext, prompt, tools: list[dict] | None = None) -> list[int]:
     if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
         ids = list(prompt)  # token ids: the engine checks their range
     else:
         fn = ctx.tokenizer.encode if isinstance(prompt, str) else \
-            ctx.tokenizer.apply_chat_template
+            partial(ctx.tokenizer.apply_chat_template, tools=tools)
         try:
             ids = await ctx.run_blocking(fn, prompt)
         except ValueError as e:  # e.g. the chat template rejected the messages
@@ -98,7 +116,7 @@ async def _tokenize(ctx: ServerContext, prompt) -> list[int]:
 
 
 def _params(ctx: ServerContext, req, max_tokens: int, prompt_len: int,
-            logprobs: int | None) -> SamplingParams:
+            logprobs: int | None, structured: StructuredOutput | None) -> SamplingParams:
     limit = ctx.settings.max_tokens_limit
     if max_tokens > limit:
         raise ApiError(400, f"max_tokens={max_tokens} is over this server's limit of {limit} "
@@ -111,7 +129,8 @@ def _params(ctx: ServerContext, req, max_tokens: int, prompt_len: int,
             logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
             repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            min_tokens=req.min_tokens, min_p=req.min_p, logit_bias=req.logit_bias_pairs)
+            min_tokens=req.min_tokens, min_p=req.min_p, logit_bias=req.logit_bias_pairs,
+            structured_outputs=structured)
     except ValueError as e:
         raise ApiError(400, str(e), "invalid_sampling_params") from e
 
@@ -126,7 +145,7 @@ def _nth_seed(seed: int, j: int) -> int:
 
 
 async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: SamplingParams,
-                  lora: str | None, client_id: str | None) -> list[RequestStream]:
+                  lora: str | None, client_id: str | None, grammar=None) -> list[RequestStream]:
     """Admit prompts x n sequences, all or none. Choice index = prompt * n + j. Every
     sequence runs on one adapter version: the first one admitted fixes it (name@N) for the
     rest, whatever replaces happen meanwhile."""
@@ -143,7 +162,7 @@ async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: Samplin
     def add(job, model):
         prompt, sp, rid, fork_of = job
         return ctx.aengine.add_request(prompt, sp, model, rid, origin=base_id, fork_of=fork_of,
-                                       client_id=client_id)
+                                       client_id=client_id, grammar=grammar)
 
     results = await asyncio.gather(add(jobs[0], lora), return_exceptions=True)
     if lora is not None and isinstance(results[0], RequestStream):
@@ -160,8 +179,9 @@ async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: Samplin
     return streams
 
 
-async def _serve(ctx: ServerContext, request: Request, req, ids, params, lora, chat: bool):
-    streams = await _submit(ctx, req, ids, params, lora, client_of(request))
+async def _serve(ctx: ServerContext, request: Request, req, ids, params, lora, chat: bool,
+                 grammar=None, plan: ToolPlan | None = None):
+    streams = await _submit(ctx, req, ids, params, lora, client_of(request), grammar)
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     model = req.model or ctx.model_name
     if lora is not None:  # the version the answer comes from
@@ -172,7 +192,7 @@ async def _serve(ctx: ServerContext, request: Request, req, ids, params, lora, c
     lp = LogprobFormatter(ctx.tokenizer, req.return_tokens_as_token_ids)
     if req.stream:
         gen = _stream(streams, timers, lp, rid, model, chat, req.include_usage, prompt_tokens,
-                      req.n, request.scope)
+                      req.n, request.scope, plan)
         return StreamingResponse(gen, media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
     try:
@@ -186,6 +206,8 @@ async def _serve(ctx: ServerContext, request: Request, req, ids, params, lora, c
             status, body = _error_of(out)
             return JSONResponse(body, status_code=status, headers=retry_headers(status))
     choices = [full_choice(i, out, lp, chat) for i, out in enumerate(outs)]
+    if plan is not None:
+        choices = [tool_choice_message(plan, c, out) for c, out in zip(choices, outs, strict=True)]
     completion = sum(len(o.token_ids) for o in outs)
     cached = sum(o.num_cached_tokens for o in outs[::req.n])  # each prompt once, as counted
     return JSONResponse(P.completion_response(rid, model, choices,
@@ -254,8 +276,9 @@ async def _merge(streams: list[RequestStream]):
 
 
 async def _stream(streams, timers, lp, rid, model, chat, include_usage, prompt_tokens, n,
-                  scope):
-    trackers = [DeltaTracker(i, lp, chat) for i in range(len(streams))]
+                  scope, plan: ToolPlan | None = None):
+    trackers = [DeltaTracker(i, lp, chat) if plan is None else ToolDeltaTracker(i, lp, plan)
+                for i in range(len(streams))]
     completion = cached = 0
 
     def chunk(choices, use=None):
