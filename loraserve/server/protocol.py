@@ -36,7 +36,8 @@ class _Request(BaseModel):
         data = {k: v for k, v in data.items() if v is not None}
         if cls.model_config.get("extra") == "allow":
             return data
-        return refuse_unhandled(data, frozenset(cls.model_fields), cls._sampling)
+        names = {n for f_name, f in cls.model_fields.items() for n in (f_name, f.alias) if n}
+        return refuse_unhandled(data, frozenset(names), cls._sampling)
 
 
 class StreamOptions(_Request):

@@ -147,8 +147,20 @@ def _nth_seed(seed: int, j: int) -> int:
 async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: SamplingParams,
                   lora: str | None, client_id: str | None, grammar=None) -> list[RequestStream]:
     """Admit prompts x n sequences, all or none. Choice index = prompt * n + j. Every
-    sequence runs on one adapter version: the first one admitted fixes it (name@N) for the
-    rest, whatever replaces happen meanwhile."""
+    sequence runs on one adapter version: if a replace lands between their admissions, they
+    are all admitted again on the first one's version (name@N)."""
+    streams = await _admit_all(ctx, req, ids, params, lora, client_id, grammar)
+    versions = {s.adapter_version for s in streams}
+    if lora is not None and len(versions) > 1:
+        for s in streams:
+            s.abort()
+        pinned = label(split_model(lora)[0], streams[0].adapter_version)
+        streams = await _admit_all(ctx, req, ids, params, pinned, client_id, grammar)
+    return streams
+
+
+async def _admit_all(ctx: ServerContext, req, ids: list[list[int]], params: SamplingParams,
+                     lora: str | None, client_id: str | None, grammar) -> list[RequestStream]:
     base_id = P.new_id("cmpl")
     jobs = []
     for i, prompt in enumerate(ids):
@@ -156,18 +168,11 @@ async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: Samplin
             # Distinct seeds per choice: n identical samples would be useless.
             sp = params if params.seed is None else replace(params, seed=_nth_seed(params.seed, j))
             # choice 0 computes the prompt; the others fork from its K/V (copy-on-write)
-            jobs.append((prompt, sp, f"{base_id}-{i}-{j}",
-                         f"{base_id}-{i}-0" if j else None))
-
-    def add(job, model):
-        prompt, sp, rid, fork_of = job
-        return ctx.aengine.add_request(prompt, sp, model, rid, origin=base_id, fork_of=fork_of,
-                                       client_id=client_id, grammar=grammar)
-
-    results = await asyncio.gather(add(jobs[0], lora), return_exceptions=True)
-    if lora is not None and isinstance(results[0], RequestStream):
-        lora = label(split_model(lora)[0], results[0].adapter_version)
-    results += await asyncio.gather(*(add(j, lora) for j in jobs[1:]), return_exceptions=True)
+            jobs.append(ctx.aengine.add_request(prompt, sp, lora, f"{base_id}-{i}-{j}",
+                                                origin=base_id,
+                                                fork_of=f"{base_id}-{i}-0" if j else None,
+                                                client_id=client_id, grammar=grammar))
+    results = await asyncio.gather(*jobs, return_exceptions=True)
     streams = [r for r in results if isinstance(r, RequestStream)]
     errors = [r for r in results if not isinstance(r, RequestStream)]
     if errors:

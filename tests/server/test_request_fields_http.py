@@ -42,8 +42,9 @@ def refused(call) -> dict:
     return err
 
 
-def test_vllm_structured_outputs_is_refused_not_ignored(client, model):
-    for body in ({"structured_outputs": {"choice": ["yes", "no"]}},
+def test_vllm_fields_we_do_not_implement_are_refused_not_ignored(client, model):
+    # (structured_outputs itself is served: tests/server/test_structured_outputs_http.py)
+    for body in ({"guided_json": {"type": "object"}},
                  {"guided_decoding_backend": "xgrammar"}):
         err = refused(lambda b=body: client.chat.completions.create(
             model=model, messages=MESSAGES, max_tokens=3, extra_body=b))
