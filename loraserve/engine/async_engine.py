@@ -29,6 +29,7 @@ from loraserve.adapters.daemon_pool import DaemonPool
 from loraserve.adapters.peft.budget import LoadBudget
 from loraserve.adapters.spill import spill_dir
 from loraserve.engine import messages as M
+from loraserve.engine.request_stream import Accepted, RequestStream
 from loraserve.types import (
     AdapterLoadCancelledError,
     FinishReason,
@@ -38,13 +39,6 @@ from loraserve.types import (
 
 log = logging.getLogger("loraserve.engine")
 
-
-
-@dataclass(frozen=True)
-class _Accepted:
-    """First item of a stream when add_request succeeded."""
-
-    adapter_version: int | None  # the adapter version the request is bound to
 
 
 _STOP = object()  # ends the engine thread
@@ -57,56 +51,6 @@ class _Envelope:
     cmd: M.EngineCommand
     loop: asyncio.AbstractEventLoop | None = None
     reply: asyncio.Future | asyncio.Queue | None = None
-
-
-class RequestStream:
-    """Outputs of one request. Iterating yields the latest RequestOutput (each carries the whole
-    output so far, so a slow consumer skips intermediate ones). `abort()` is idempotent.
-    With `max_unread` > 0, that many unread outputs pause the request until the next read."""
-
-    def __init__(self, owner: AsyncEngine, request_id: str, q: asyncio.Queue,
-                 max_unread: int = 0):
-        self.request_id = request_id
-        self._owner = owner
-        self._q = q
-        self.max_unread = max_unread
-        self.paused = False  # the engine was asked to pause it (event loop thread only)
-        self.finished = False
-        self.adapter_version: int | None = None  # set once admitted (adapter requests)
-
-    def _push(self, item) -> None:
-        """An item from the engine thread (event loop thread)."""
-        self._q.put_nowait(item)
-        if (self.max_unread and not self.paused and not self.finished
-                and isinstance(item, RequestOutput) and not item.finished
-                and self._q.qsize() >= self.max_unread):
-            self.paused = True
-            self._owner._send(M.PauseRequest(self.request_id))
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._q.get()
-        while not self._q.empty():  # coalesce: only the newest state matters
-            item = self._q.get_nowait()
-        if self.paused:  # read: room again
-            self.paused = False
-            if not (isinstance(item, RequestOutput) and item.finished):
-                self._owner._send(M.ResumeRequest(self.request_id))
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
-
-    def abort(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self._owner.abort(self.request_id)
 
 
 class AsyncEngine:
@@ -324,7 +268,7 @@ class AsyncEngine:
             if exc is None:
                 self._streams[cmd.request_id] = (env.loop, env.reply)
             _put(env.loop, env.reply,
-                 exc if exc is not None else _Accepted(result.adapter_version))
+                 exc if exc is not None else Accepted(result.adapter_version))
         elif isinstance(cmd, M.AbortRequest):
             entry = self._streams.pop(cmd.request_id, None)
             if entry is not None and result is not None:

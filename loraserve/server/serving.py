@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from loraserve.adapters.versions import label, split_model
-from loraserve.engine.async_engine import RequestStream
+from loraserve.engine.request_stream import RequestStream
 from loraserve.server import protocol as P
 from loraserve.server.context import ServerContext, parse_body
 from loraserve.server.errors import ApiError, error_body, retry_headers
