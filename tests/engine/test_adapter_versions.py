@@ -133,3 +133,24 @@ def test_unloading_one_version(tiny_model_dir, versions):
     with pytest.raises(AdapterNotFoundError):
         llm.unload_lora_adapter("policy@2")
     assert llm.load_lora_adapter("policy", versions[2][1], replace=True) == 3
+
+
+def test_replacing_never_waits_on_a_paused_request(tiny_model_dir, versions):
+    # a request whose client stopped reading is paused out of the batch, holding version 1:
+    # replaces go through at once, version 1 stays until the request ends, on its weights
+    llm = LLM(tiny_model_dir, max_adapter_versions=1)
+    eng = llm.engine
+    llm.load_lora_adapter("policy", versions[0][1])
+    held = eng.add_request(P1, greedy(N), lora_name="policy")
+    eng.step()
+    assert eng.pause(held.request_id)
+    for i in (1, 2):
+        llm.load_lora_adapter("policy", versions[i][1], replace=True)
+    assert sorted(eng.store.live_versions("policy")) == [1, 3]
+    for _ in range(3):
+        eng.step()  # others may run; the paused one does not
+    assert held.num_output_tokens <= 1
+    assert eng.resume(held.request_id)
+    outs = run_until_done(eng)
+    assert outs[held.request_id].token_ids == ref(versions, 0, P1)
+    assert sorted(eng.store.live_versions("policy")) == [3]
