@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -129,3 +130,22 @@ def assert_error(r: httpx.Response, status: int | tuple[int, ...], *fragments: s
     for f in fragments:
         assert f in err["message"], (f, err["message"])
     return err
+
+
+def start_long_stream(url: str, key: str, model: str) -> threading.Thread:
+    """A streamed completion of 300 tokens under `key`, read on a thread; returns once its
+    first bytes arrived (it counts against the key's limits until it ends)."""
+    started = threading.Event()
+
+    def stream():
+        body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120,
+                          headers={"Authorization": f"Bearer {key}"}) as resp:
+            for _ in resp.iter_lines():
+                started.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(60), "the stream sent nothing in 60 s"
+    return t

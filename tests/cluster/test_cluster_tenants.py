@@ -5,13 +5,13 @@ replica, the keys reload everywhere; and a replica that just died never holds an
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import httpx
 import pytest
 from adapter_factory import make_peft_adapter
 from cluster_utils import LocalCluster
+from server_utils import start_long_stream
 
 pytest.importorskip("ray.serve", reason="the cluster extra: pip install loraserve[cluster]")
 
@@ -91,19 +91,7 @@ def test_tokens_per_minute_uses_what_the_replica_reports(setup):
 
 def test_max_concurrent_holds_for_the_deployment(setup):
     c, _, _ = setup
-    started = threading.Event()
-
-    def stream():
-        body = {"model": "a0", "prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True,
-                "stream": True}
-        with httpx.stream("POST", c.url + "/v1/completions", json=body, timeout=120,
-                          headers={"Authorization": "Bearer key-one"}) as resp:
-            for _ in resp.iter_lines():
-                started.set()
-
-    t = threading.Thread(target=stream)
-    t.start()
-    assert started.wait(60)
+    t = start_long_stream(c.url, "key-one", "a0")
     r = complete(c, "key-one", "a1")
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
     t.join(120)

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 import time
 
-import httpx
 import pytest
 from adapter_factory import make_peft_adapter
-from server_utils import ServerProcess
+from server_utils import ServerProcess, start_long_stream
 
 ADMIN = "admin-key"
 KEYS = {
@@ -93,19 +91,7 @@ def test_tokens_per_minute_charges_what_a_request_used(setup):
 
 def test_max_concurrent_counts_a_stream_until_its_end(setup):
     server, _ = setup
-    started = threading.Event()
-
-    def long_stream():
-        body = {"model": "a1", "prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True,
-                "stream": True}
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120,
-                          headers={"Authorization": "Bearer key-b"}) as resp:
-            for _ in resp.iter_lines():
-                started.set()
-
-    t = threading.Thread(target=long_stream)
-    t.start()
-    assert started.wait(60)
+    t = start_long_stream(server.url, "key-b", "a1")
     r = complete(server, "key-b", "a0")
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["code"] == "rate_limit_max_concurrent"
