@@ -55,14 +55,19 @@ class Biased:
         return F.linear(x, self.w, self.bias)
 
 
-@pytest.mark.parametrize("path", list(PATHS))
-def test_column_epilogues_on_every_backend_equal_the_per_token_reference(path):
+def _step(path: str):
+    """A step of the mixed batch SEQS on the backend of `path`, and each row's slot."""
     pool = LoraSlotPool(CFG, len(ADAPTERS), MAX_RANK)
     for s, w in enumerate(ADAPTERS):
         pool.write(s, w)
     backend = LORA_BACKENDS[PATHS[path]](pool)
     step = backend.step(backend.plan([(s, n) for s, n in SEQS]))
-    slots = [s for s, n in SEQS for _ in range(n)]
+    return step, [s for s, n in SEQS for _ in range(n)]
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_column_epilogues_on_every_backend_equal_the_per_token_reference(path):
+    step, slots = _step(path)
     for layer in range(CFG.num_hidden_layers):
         for g, lay in group_layouts(CFG).items():
             x = _r(len(slots), lay.d_in)
@@ -88,12 +93,7 @@ def test_column_epilogues_on_every_backend_equal_the_per_token_reference(path):
 
 @pytest.mark.parametrize("path", list(PATHS))
 def test_vocabulary_parts_on_their_rows_only(path):
-    pool = LoraSlotPool(CFG, len(ADAPTERS), MAX_RANK)
-    for s, w in enumerate(ADAPTERS):
-        pool.write(s, w)
-    backend = LORA_BACKENDS[PATHS[path]](pool)
-    step = backend.step(backend.plan([(s, n) for s, n in SEQS]))
-    slots = [s for s, n in SEQS for _ in range(n)]
+    step, slots = _step(path)
     ids = torch.randint(0, V, (len(slots),), generator=G)
     ids[-3:] = torch.tensor([3, 9, 5])  # the last adapter's trainable tokens, and another
     table, head_w = _r(V, D), _r(V, D)
