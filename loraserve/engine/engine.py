@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections import Counter
 from dataclasses import replace
@@ -18,43 +17,36 @@ from pathlib import Path
 import torch
 
 from loraserve.adapters.disk_loader import DiskLoader
-from loraserve.adapters.format import LoraAdapterWeights, read_adapter
-from loraserve.adapters.peft.budget import LoadBudget
 from loraserve.adapters.residency import ResidencyLimits, residency_class
 from loraserve.adapters.slot_pool import LoraSlotPool
 from loraserve.adapters.stats import AdapterStats
 from loraserve.adapters.store import AdapterStore
 from loraserve.config import EngineConfig
 from loraserve.engine import messages as M
+from loraserve.engine.adapter_admin import AdapterAdmin
 from loraserve.engine.invariants import InvariantReport, check_engine
 from loraserve.engine.kv_sizing import size_kv_cache
 from loraserve.engine.output_processor import OutputProcessor, to_output
+from loraserve.engine.request_intake import RequestIntake
 from loraserve.engine.runner import ModelRunner
 from loraserve.kvcache.manager import KVCacheManager
-from loraserve.kvcache.prefix_hash import BASE_NAMESPACE, adapter_namespace
 from loraserve.lora.backends import create_lora_backend, pool_tile_width
 from loraserve.model.attention import create_attention_backend
 from loraserve.model.base_weights import ModelBaseWeights
 from loraserve.model.bundled import resolve_model_path
 from loraserve.model.loader import load_model
-from loraserve.model.structured import CompiledGrammar, GrammarCompiler
+from loraserve.model.structured import GrammarCompiler
 from loraserve.model.tokenizer import Tokenizer
 from loraserve.ops.native_memory import MemoryTrimmer
 from loraserve.request import Request
 from loraserve.scheduler.batch import ScheduledBatch, StepOutput
 from loraserve.scheduler.scheduler import Scheduler
-from loraserve.types import (
-    FinishReason,
-    LoraServeError,
-    RequestOutput,
-    RequestTooLargeError,
-    SamplingParams,
-)
+from loraserve.types import FinishReason, RequestOutput
 
 log = logging.getLogger("loraserve.engine")
 
 
-class LLMEngine:
+class LLMEngine(RequestIntake, AdapterAdmin):
     def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None,
                  device: str | torch.device | None = None):
         """Wiring only: every choice is made by `EngineConfig.resolve` (device, dtypes,
@@ -216,68 +208,7 @@ class LLMEngine:
     def has_running(self) -> bool:
         return bool(self.scheduler.running)
 
-    # --- requests ---------------------------------------------------------------------------
-    def tokenize(self, prompt: M.Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if prompt and isinstance(prompt[0], dict):
-            return self.tokenizer.apply_chat_template(prompt)
-        ids = [int(t) for t in prompt]
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestTooLargeError(f"token ids out of range [0, {vocab}): {bad[:5]}")
-        return ids
-
-    def add_request(self, prompt: M.Prompt, params: SamplingParams,
-                    lora_name: str | None = None, request_id: str | None = None,
-                    origin: str | None = None, fork_of: str | None = None,
-                    client_id: str | None = None,
-                    grammar: CompiledGrammar | None = None) -> Request:
-        """`grammar`: params.structured_outputs compiled off this thread (the server does);
-        None compiles it here."""
-        ids = self.tokenize(prompt)
-        if not ids:
-            raise RequestTooLargeError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if params.logit_bias and params.logit_bias[-1][0] >= vocab:  # sorted by token id
-            raise LoraServeError(f"logit_bias: token {params.logit_bias[-1][0]} is outside "
-                                 f"the vocabulary [0, {vocab})")
-        total = len(ids) + params.max_tokens
-        if len(ids) >= self.max_model_len:
-            raise RequestTooLargeError(
-                f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len}")
-        if total > self.kv.capacity_tokens:
-            raise RequestTooLargeError(
-                f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) = {total} tokens can "
-                f"never fit the KV cache ({self.kv.capacity_tokens} tokens)")
-        request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.requests:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        if params.structured_outputs is not None and grammar is None:
-            grammar = self.grammars.compile(params.structured_outputs)
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(params.seed)
-        # Name -> uid once, here; acquires the refcount (404 for a name never loaded).
-        uid = None if lora_name is None else self.store.acquire(lora_name)
-        namespace = BASE_NAMESPACE if uid is None else \
-            adapter_namespace(self.store.fingerprint(uid))
-        parent = self.requests.get(fork_of) if fork_of is not None else None
-        if parent is not None and (parent.prompt_token_ids != ids or parent.adapter_uid != uid
-                                   or params.prompt_logprobs is not None):
-            # not the same prompt under the same weights, or its prompt's logits are wanted
-            parent = None
-        req = Request(request_id, ids, params, adapter_uid=uid, lora_name=lora_name,
-                      generator=gen, origin=origin, client_id=client_id,
-                      cache_namespace=namespace, fork_parent=parent,
-                      grammar=None if grammar is None else grammar.new_matcher())
-        if uid is not None:  # the version it is bound to, for its outputs
-            req.adapter_version = self.store.version(uid)
-        self.requests[request_id] = req
-        self.scheduler.add(req)
-        return req
-
+    # --- requests (their way in: engine/request_intake.py) --------------------------------
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
@@ -287,38 +218,7 @@ class LLMEngine:
         self.scheduler.finish(req, FinishReason.ABORT)
         return self._output(req)
 
-    # --- adapters (between steps) -----------------------------------------------------------
-    def read_adapter(self, path: str | os.PathLike, root: str | None = None,
-                     budget: LoadBudget | None = None) -> LoraAdapterWeights:
-        """Read and fully validate an adapter (any thread; touches no engine state, reads the
-        model's weights only: DoRA's norms). `root`: every file read must resolve inside it;
-        `budget`: the load's time bound and cancel switch (a fresh one by default)."""
-        return read_adapter(path, self.model_config, max_lora_rank=self.config.max_lora_rank,
-                            allow_pickle=self.config.allow_pickle_adapters, root=root,
-                            base=self.base_weights, budget=budget)
-
-    def load_lora_adapter(self, name: str, path: str | os.PathLike, pinned: bool = False,
-                          weights: LoraAdapterWeights | None = None, *, replace: bool = False,
-                          version: int | None = None, owned: bool = False) -> int:
-        """Register `name` (with `replace`: a new version of it). `weights` may be pre-read
-        off-thread; else it is read here. Returns the version now serving under `name`."""
-        path = str(path)
-        read_s = None
-        if weights is None and not self.store.check_new(name, path, pinned, replace):
-            t0 = time.perf_counter()
-            weights = self.read_adapter(path)
-            read_s = time.perf_counter() - t0
-        entry = self.store.register(name, path, weights, pinned,
-                                    in_use=self.scheduler.running_adapters(), replace=replace,
-                                    version=version, owned=owned)
-        if read_s is not None:  # read here (at start-up): the registration is its first load
-            entry.stats.last_load_seconds = entry.stats.total_load_seconds = read_s
-        return entry.version
-
-    def unload_lora_adapter(self, name: str) -> None:
-        """Unload `name` (every version) or one version, `name@N`."""
-        self.store.unregister(name)
-
+    # --- between steps (adapter registration: engine/adapter_admin.py) -------------------
     def snapshot(self) -> M.EngineSnapshot:
         pool = self.kv.pool
         sched = self.scheduler
