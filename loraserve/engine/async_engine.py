@@ -3,8 +3,9 @@
 The engine thread is the only owner of the engine (scheduler, KV pool, adapter store). The
 asyncio side talks to it through one thread-safe queue of typed commands (engine/messages.py)
 and gets outputs back through a per-request asyncio queue (`loop.call_soon_threadsafe`).
-Commands are applied between steps, so no step ever sees a half-changed store. Adapter files
-are read and validated on executor threads; only the commit runs on the engine thread.
+Commands are applied between steps (engine/engine_loop.py), so no step ever sees a
+half-changed store. Adapter files are read and validated on executor threads; only the commit
+runs on the engine thread.
 
 Backpressure: a request's output queue holds at most `max_unread_outputs` unread outputs.
 When it is full (its client does not read, so the handler does not pull), the request is
@@ -16,44 +17,22 @@ the event loop's thread only; the engine learns of it through Pause/Resume comma
 from __future__ import annotations
 
 import asyncio
-import logging
 import queue
 import threading
-import traceback
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from loraserve.adapters.daemon_pool import DaemonPool
 from loraserve.adapters.peft.budget import LoadBudget
 from loraserve.adapters.spill import spill_dir
 from loraserve.engine import messages as M
-from loraserve.engine.request_stream import Accepted, RequestStream
-from loraserve.types import (
-    AdapterLoadCancelledError,
-    FinishReason,
-    RequestOutput,
-    SamplingParams,
-)
-
-log = logging.getLogger("loraserve.engine")
+from loraserve.engine.engine_loop import STOP, EngineLoop, Envelope
+from loraserve.engine.request_stream import RequestStream
+from loraserve.types import AdapterLoadCancelledError, RequestOutput, SamplingParams
 
 
-
-_STOP = object()  # ends the engine thread
-
-
-@dataclass(frozen=True)
-class _Envelope:
-    """A command and where its reply goes: a future, or a request's output queue."""
-
-    cmd: M.EngineCommand
-    loop: asyncio.AbstractEventLoop | None = None
-    reply: asyncio.Future | asyncio.Queue | None = None
-
-
-class AsyncEngine:
+class AsyncEngine(EngineLoop):
     def __init__(self, engine: Any, idle_poll_s: float = 0.01, paused_poll_s: float = 0.5):
         # touched only by the engine thread (and tests); its read_adapter reads no engine state
         self.engine = engine
@@ -90,7 +69,7 @@ class AsyncEngine:
         if self._loads is not None:
             self._loads.shutdown()
         if self._thread is not None:
-            self._cmds.put(_STOP)
+            self._cmds.put(STOP)
             self._thread.join(timeout)
             self._thread = None
         self.engine.shutdown()
@@ -117,7 +96,7 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         stream = RequestStream(self, rid, q, self.max_unread_outputs)
         cmd = M.AddRequest(rid, prompt, params, lora_name, origin, fork_of, client_id, grammar)
-        self._cmds.put(_Envelope(cmd, asyncio.get_running_loop(), stream))
+        self._cmds.put(Envelope(cmd, asyncio.get_running_loop(), stream))
         try:
             first = await q.get()
         except BaseException:
@@ -144,17 +123,17 @@ class AsyncEngine:
 
     def _send(self, cmd: M.EngineCommand) -> None:
         """A command whose reply nobody awaits."""
-        self._cmds.put(_Envelope(cmd))
+        self._cmds.put(Envelope(cmd))
 
     def abort_all(self, message: str, error_status: int = 503) -> None:
         """End every request in flight with an error (thread-safe, returns at once)."""
-        self._cmds.put(_Envelope(M.AbortAll(message, error_status)))
+        self._cmds.put(Envelope(M.AbortAll(message, error_status)))
 
     # --- commands answered between steps ----------------------------------------------------
     async def _ask(self, cmd: M.EngineCommand) -> Any:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._cmds.put(_Envelope(cmd, loop, fut))
+        self._cmds.put(Envelope(cmd, loop, fut))
         return await fut
 
     async def snapshot(self) -> M.EngineSnapshot:
@@ -207,118 +186,3 @@ class AsyncEngine:
 
     async def unload_lora_adapter(self, name: str) -> None:
         await self._ask(M.UnloadAdapter(name))
-
-    # --- the engine thread ------------------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
-        while True:
-            idle = not engine.has_work
-            # paused requests are not work, but their time limit must still be checked
-            timeout = self._paused_poll_s if idle and engine.has_paused else None
-            if not self._drain(block=idle, timeout=timeout):
-                break
-            if not engine.has_work:
-                for out in engine.expire_stalled():
-                    self._deliver(out)
-                continue
-            try:
-                outputs = engine.step()
-            except Exception:
-                self._on_step_error()
-                continue
-            for out in outputs:
-                self._deliver(out)
-            if not outputs and not engine.has_running:
-                # Nothing ran (e.g. waiting on an adapter load): wait a little for commands
-                # instead of spinning.
-                if not self._drain(block=True, timeout=self._idle_poll_s):
-                    break
-        self._fail_all("the server is shutting down", 503)
-
-    def _drain(self, block: bool, timeout: float | None = None) -> bool:
-        """Apply queued commands (waiting for the first if `block`). False on stop."""
-        try:
-            item = self._cmds.get(block=block, timeout=timeout)
-        except queue.Empty:
-            return True
-        while True:
-            if item is _STOP:
-                return False
-            self._apply(item)
-            try:
-                item = self._cmds.get_nowait()
-            except queue.Empty:
-                return True
-
-    def _apply(self, env: _Envelope) -> None:
-        cmd = env.cmd
-        if isinstance(cmd, M.AbortAll):  # the streams are ours, not the engine's
-            self._fail_all(cmd.message, cmd.error_status)
-            return
-        try:
-            if isinstance(cmd, M.CheckInvariants):
-                result, exc = self.engine.check_invariants(tuple(self._streams)), None
-            else:
-                result, exc = self.engine.handle(cmd), None
-        except Exception as e:  # the caller's fault (LoraServeError) or a bad prompt
-            if isinstance(cmd, M.AbortRequest):
-                log.exception("abort of %s failed", cmd.request_id)
-            result, exc = None, e
-        if isinstance(cmd, M.AddRequest):
-            if exc is None:
-                self._streams[cmd.request_id] = (env.loop, env.reply)
-            _put(env.loop, env.reply,
-                 exc if exc is not None else Accepted(result.adapter_version))
-        elif isinstance(cmd, M.AbortRequest):
-            entry = self._streams.pop(cmd.request_id, None)
-            if entry is not None and result is not None:
-                _put(*entry, result)
-        elif isinstance(cmd, M.PauseRequest | M.ResumeRequest):
-            pass  # nobody awaits a reply: a request that ended meanwhile is simply not there
-        else:
-            env.loop.call_soon_threadsafe(_resolve, env.reply, result, exc)
-
-    def _deliver(self, out: RequestOutput) -> None:
-        entry = self._streams.get(out.request_id)
-        if entry is None:
-            return
-        if out.finished:
-            del self._streams[out.request_id]
-        _put(*entry, out)
-
-    def _on_step_error(self) -> None:
-        # Keep serving: the requests of the failed step end with an error, their blocks and
-        # adapter refcounts come back through abort (the one release path).
-        self.errors += 1
-        log.error("engine step failed; failing in-flight requests:\n%s", traceback.format_exc())
-        self._fail_all("internal error in the engine step (see the server log)")
-
-    def _fail_all(self, message: str, error_status: int = 500) -> None:
-        for rid in list(self._streams):
-            out = None
-            try:
-                out = self.engine.abort(rid)
-            except Exception:
-                log.exception("abort of %s failed", rid)
-            loop, q = self._streams.pop(rid)
-            if out is None:
-                out = RequestOutput(request_id=rid, prompt_token_ids=[], finished=True)
-            out.finish_reason, out.error = FinishReason.ERROR, message
-            out.error_status = error_status
-            _put(loop, q, out)
-
-
-def _put(loop: asyncio.AbstractEventLoop, stream: RequestStream, item) -> None:
-    try:
-        loop.call_soon_threadsafe(stream._push, item)
-    except RuntimeError:  # the event loop is closed (shutdown): nobody is listening
-        pass
-
-
-def _resolve(fut: asyncio.Future, result, exc) -> None:
-    if fut.done():  # the caller gave up (cancelled)
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)
