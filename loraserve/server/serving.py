@@ -1,4 +1,5 @@
-"""/v1/completions and /v1/chat/completions: validate, fan out, stream or collect.
+"""/v1/completions and /v1/chat/completions: validate (server/request_validation.py), fan out,
+stream or collect.
 
 Every sequence a request fans out to (prompts x n) is admitted all-or-nothing before any
 response starts, so admission errors are a 4xx and never half an SSE stream. Whatever way a
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
-from functools import partial
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,125 +23,63 @@ from loraserve.server.errors import ApiError, error_body, retry_headers
 from loraserve.server.formatting import DeltaTracker, LogprobFormatter, full_choice, is_error, sse
 from loraserve.server.metrics import RequestTimer
 from loraserve.server.quotas import record_usage
+from loraserve.server.request_validation import (
+    check_n,
+    client_of,
+    compile_grammar,
+    sampling_params,
+    tenant_of,
+    tokenize,
+)
 from loraserve.server.structured import structured_output_of
 from loraserve.server.tool_calls import ToolDeltaTracker, ToolPlan, tool_choice_message, tool_plan
-from loraserve.types import SEED_RANGE, AdapterNotFoundError, SamplingParams, StructuredOutput
+from loraserve.types import SEED_RANGE, AdapterNotFoundError, SamplingParams
 
 
 async def completions(ctx: ServerContext, request: Request) -> Response:
     ctx.check_accepting()
     req = await parse_body(request, P.CompletionRequest)
-    lora = ctx.resolve_model(req.model, _tenant(request))
+    lora = ctx.resolve_model(req.model, tenant_of(request))
     prompts = req.prompts()
     if len(prompts) > ctx.settings.max_prompts:
         raise ApiError(400, f"{len(prompts)} prompts in one request; the limit is "
                             f"{ctx.settings.max_prompts}", "too_many_prompts")
-    _check_n(ctx, req.n)
-    ids = [await _tokenize(ctx, p) for p in prompts]
+    check_n(ctx, req.n)
+    ids = [await tokenize(ctx, p) for p in prompts]
     spec = structured_output_of(req)
-    grammar = await _compile(ctx, spec)
+    grammar = await compile_grammar(ctx, spec)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    params = _params(ctx, req, max_tokens, max(map(len, ids)), req.logprobs, spec)
+    params = sampling_params(ctx, req, max_tokens, max(map(len, ids)), req.logprobs, spec)
     return await _serve(ctx, request, req, ids, params, lora, chat=False, grammar=grammar)
 
 
 async def chat_completions(ctx: ServerContext, request: Request) -> Response:
     ctx.check_accepting()
     req = await parse_body(request, P.ChatCompletionRequest)
-    lora = ctx.resolve_model(req.model, _tenant(request))
-    _check_n(ctx, req.n)
+    lora = ctx.resolve_model(req.model, tenant_of(request))
+    check_n(ctx, req.n)
     plan = tool_plan(req, ctx.tokenizer.tool_format)
     tools = plan and [t.model_dump(exclude_none=True) for t in req.tools]
-    ids = await _tokenize(ctx, req.message_dicts(), tools)
+    ids = await tokenize(ctx, req.message_dicts(), tools)
     spec = structured_output_of(req) or (plan and plan.constraint())
-    grammar = await _compile(ctx, spec)
+    grammar = await compile_grammar(ctx, spec)
     max_tokens = req.max_new_tokens
     if max_tokens is None:  # the room left in the context, within the server's cap
         info = ctx.aengine.info
         room = min(info.max_model_len, info.kv_capacity_tokens) - len(ids)
         max_tokens = max(1, min(ctx.settings.max_tokens_limit, room))
-    params = _params(ctx, req, max_tokens, len(ids), req.num_logprobs, spec)
+    params = sampling_params(ctx, req, max_tokens, len(ids), req.num_logprobs, spec)
     return await _serve(ctx, request, req, [ids], params, lora, chat=True, grammar=grammar,
                         plan=plan)
 
 
-# --- validation -------------------------------------------------------------------------------
-
-
-def _tenant(request: Request):
-    """The tenant whose key sent the request (api_keys.py), or None."""
-    return request.scope.get("state", {}).get("tenant")
-
-
-def client_of(request: Request) -> str | None:
-    """The client identity for fairness between clients: the API key's tenant, else the
-    connection's address."""
-    tenant = _tenant(request)
-    if tenant is not None:
-        return tenant.name
-    return request.client.host if request.client else None
-
-
-def _check_n(ctx: ServerContext, n: int) -> None:
-    if n > ctx.settings.max_n:
-        raise ApiError(400, f"n={n} is over this server's limit of {ctx.settings.max_n} "
-                            "(--max-n)", "n_too_large")
-
-
-async def _compile(ctx: ServerContext, spec: StructuredOutput | None):
-    """The constraint compiled (or found in the cache) on an executor thread, before the
-    request reaches the engine; one that cannot be compiled is a 400 naming why."""
-    if spec is None:
-        return None
-    return await ctx.run_blocking(ctx.aengine.grammars.compile, spec)
-
-
-async def _tokenize(ctx: ServerContext, prompt, tools: list[dict] | None = None) -> list[int]:
-    if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
-        ids = list(prompt)  # token ids: the engine checks their range
-    else:
-        fn = ctx.tokenizer.encode if isinstance(prompt, str) else \
-            partial(ctx.tokenizer.apply_chat_template, tools=tools)
-        try:
-            ids = await ctx.run_blocking(fn, prompt)
-        except ValueError as e:  # e.g. the chat template rejected the messages
-            raise ApiError(400, str(e), "invalid_prompt") from e
-    if not ids:
-        raise ApiError(400, "the prompt is empty", "empty_prompt")
-    limit = ctx.settings.max_prompt_tokens
-    if limit is not None and len(ids) > limit:
-        raise ApiError(400, f"the prompt has {len(ids)} tokens; this server's limit is {limit} "
-                            "(--max-prompt-tokens)", "prompt_too_long")
-    return ids
-
-
-def _params(ctx: ServerContext, req, max_tokens: int, prompt_len: int,
-            logprobs: int | None, structured: StructuredOutput | None) -> SamplingParams:
-    limit = ctx.settings.max_tokens_limit
-    if max_tokens > limit:
-        raise ApiError(400, f"max_tokens={max_tokens} is over this server's limit of {limit} "
-                            "(--max-tokens-limit)", "max_tokens_too_large")
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-            top_k=req.top_k, seed=req.seed, stop=req.stops,
-            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
-            repetition_penalty=req.repetition_penalty,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            min_tokens=req.min_tokens, min_p=req.min_p, logit_bias=req.logit_bias_pairs,
-            structured_outputs=structured)
-    except ValueError as e:
-        raise ApiError(400, str(e), "invalid_sampling_params") from e
+# --- admission, then stream or collect --------------------------------------------------------
 
 
 def _nth_seed(seed: int, j: int) -> int:
     """Seed of choice j: seed + j, wrapped within the seeds a generator accepts."""
     lo, hi = SEED_RANGE
     return (seed + j - lo) % (hi - lo + 1) + lo
-
-
-# --- admission, then stream or collect --------------------------------------------------------
 
 
 async def _submit(ctx: ServerContext, req, ids: list[list[int]], params: SamplingParams,
