@@ -1,7 +1,7 @@
 """`loraserve serve | generate | bench` — the command line, and `serve`'s composition root.
 
-Engine flags are generated from `EngineConfig`'s fields (config/engine.py holds every default and
-help text); the server's own flags live in server/cli_args.py.
+Engine and cluster flags are generated from the configs' fields (cli_flags.py; config/ holds
+every default and help text); the server's own flags live in server/cli_args.py.
 """
 
 from __future__ import annotations
@@ -15,25 +15,16 @@ import sys
 import time
 from collections.abc import Callable
 
-from loraserve.config import ClusterConfig, EngineConfig
-
-_TYPES = {"int": int, "float": float, "str": str}
-
-
-def usage_error(command: str, message: str) -> SystemExit:
-    """A mistake on the command line: one line on stderr, exit status 2 (argparse's)."""
-    print(f"loraserve {command}: {message}", file=sys.stderr)
-    return SystemExit(2)
-
-
-def _lora_paths(items: list[str] | None, command: str = "serve") -> dict[str, str]:
-    out = {}
-    for item in items or []:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise usage_error(command, f"--lora-paths expects NAME=PATH, got {item!r}")
-        out[name] = path
-    return out
+from loraserve.cli_flags import (
+    HelpFormatter,
+    add_cluster_args,
+    add_engine_args,
+    cluster_config_from_args,
+    engine_config_from_args,
+    lora_paths,
+    usage_error,
+)
+from loraserve.config import EngineConfig
 
 
 def _precheck_serve(args: argparse.Namespace, adapters: dict[str, str]) -> None:
@@ -62,63 +53,12 @@ def _precheck_serve(args: argparse.Namespace, adapters: dict[str, str]) -> None:
             raise usage_error("serve", f"--lora-paths {name}={path}: {e}") from e
 
 
-def add_engine_args(p: argparse.ArgumentParser, exclude: frozenset[str] = frozenset()) -> None:
-    """--model, --lora-paths and one flag per EngineConfig field (--field-name)."""
-    p.add_argument("--model", default=None,
-                   help="HF checkpoint dir or GGUF file (default: the bundled "
-                        "SmolLM2-135M-Instruct); README lists the families served")
-    p.add_argument("--lora-paths", nargs="*", metavar="NAME=PATH", help="adapters to load")
-    g = p.add_argument_group("engine")
-    fields = [f for f in dataclasses.fields(EngineConfig) if f.name not in exclude]
-    p.set_defaults(engine_fields=tuple(f.name for f in fields))
-    _add_config_flags(g, fields)
-
-
-def _add_config_flags(g: argparse._ArgumentGroup, fields: list[dataclasses.Field]) -> None:
-    """One flag per frozen-config field (--field-name): its default and help from the field."""
-    for f in fields:
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
-        if str(f.type) == "bool" and f.default:
-            g.add_argument(f.metadata["off_flag"], dest=f.name, action="store_false",
-                           default=True, help=f"turn off {help_text} (on by default)")
-            continue
-        if str(f.type) == "bool":
-            g.add_argument(flag, action="store_true", default=f.default, help=help_text)
-            continue
-        base = str(f.type).split("|")[0].strip()  # "int | None" -> int
-        g.add_argument(flag, type=_TYPES[base], default=f.default,
-                       choices=f.metadata.get("choices"), help=help_text)
-
-
-def add_cluster_args(p: argparse.ArgumentParser) -> None:
-    """One flag per ClusterConfig field: scale-out over Ray Serve (loraserve/cluster/)."""
-    _add_config_flags(p.add_argument_group("cluster"), list(dataclasses.fields(ClusterConfig)))
-
-
-def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ClusterConfig)}
-    try:
-        return ClusterConfig(**values)
-    except ValueError as e:
-        raise usage_error(args.command, str(e)) from e
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig the flags describe; an invalid value ends the command clearly."""
-    values = {name: getattr(args, name) for name in args.engine_fields}
-    try:
-        return EngineConfig(**values)
-    except ValueError as e:
-        raise usage_error(args.command, str(e)) from e
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     from loraserve import LLM, SamplingParams
     from loraserve.types import LoraServeError
 
     config = engine_config_from_args(args)
-    adapters = _lora_paths(args.lora_paths, "generate")
+    adapters = lora_paths(args.lora_paths, "generate")
     prompts = [[{"role": "user", "content": p}] if args.chat else p for p in args.prompt]
     try:  # a missing model, a bad adapter, an unknown --lora: one line, not a traceback
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -158,7 +98,7 @@ def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = No
     except ValueError as e:
         raise usage_error("serve", str(e)) from e
     config = engine_config_from_args(args)
-    adapters = _lora_paths(args.lora_paths)
+    adapters = lora_paths(args.lora_paths)
     cluster = cluster_config_from_args(args)
     if cluster.enabled and importlib.util.find_spec("ray") is None:
         raise usage_error("serve", "--replicas/--ray-address need Ray Serve: "
@@ -253,17 +193,6 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-class _HelpFormatter(argparse.HelpFormatter):
-    """--help shows every flag's default, unless its text already says what it is."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if ("default" in text or not action.option_strings or action.default is None
-                or isinstance(action.default, bool) or action.default is argparse.SUPPRESS):
-            return text
-        return text + " (default: %(default)s)"
-
-
 def build_parser() -> argparse.ArgumentParser:
     from loraserve.bench.cli import add_bench_args, run_bench
     from loraserve.server.cli_args import add_server_args
@@ -273,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate offline for one or more prompts",
-                       formatter_class=_HelpFormatter)
+                       formatter_class=HelpFormatter)
     # --seed here is the requests' sampling seed (the engine's default seed stays 0)
     add_engine_args(g, exclude=frozenset({"seed"}))
     g.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
@@ -291,14 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
-                       formatter_class=_HelpFormatter)
+                       formatter_class=HelpFormatter)
     add_engine_args(s)
     add_server_args(s)
     add_cluster_args(s)
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="load generator against an OpenAI-compatible server",
-                       formatter_class=_HelpFormatter)
+                       formatter_class=HelpFormatter)
     add_bench_args(b)
     b.set_defaults(func=lambda a: (run_bench(a), 0)[1])
     return parser
