@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import re
 
+from loraserve.adapters.peft.expert_targets import EXPERTS
 from loraserve.adapters.peft.targets import KNOWN_MODULES, VOCAB_MODULES, parent_of
+from loraserve.config import ModelConfig
 from loraserve.types import AdapterFormatError
 
 # 'mod.kind[.adapter name][.param]'; the adapter name is absent from saved files but allowed
@@ -21,8 +23,15 @@ _PART_RE = re.compile(
     r"lora_magnitude_vector|base_layer|token_adapter)(?:\.(?P<rest>.+))?$"
 )
 _LAYER_MOD_RE = re.compile(
-    r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<name>\w+)$"
+    r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>\w+(?:\.shared_expert)?)\.(?P<name>\w+)$"
 )
+# PEFT's ParamWrappers on a layer's fused experts (peft/expert_targets.py): each base_layer
+# one wrapper deeper
+_EXPERT_RE = re.compile(
+    r"^(?:model\.)?layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<wrap>(?:base_layer\.)*)"
+    r"(?P<kind>lora_A|lora_B)(?:\.[^.]+)?\.weight$"
+)
+_PER_EXPERT_RE = re.compile(r"\.(?:experts|block_sparse_moe)\.")
 _PARTS = {
     ("lora_A", "weight"): "lora_A", ("lora_B", "weight"): "lora_B",
     ("lora_B", "bias"): "lora_B.bias", ("lora_magnitude_vector", None): "magnitude",
@@ -39,9 +48,18 @@ def _fail(path: object, problem: str) -> AdapterFormatError:
     return AdapterFormatError(f"adapter {path}: {problem}")
 
 
-def parse_key(key: str, path: object) -> tuple[Target, str]:
-    """(target, part) of one tensor key; refuse what we cannot serve, naming it."""
+def parse_key(key: str, path: object, mc: ModelConfig | None = None) -> tuple[Target, str]:
+    """(target, part) of one tensor key; refuse what we cannot serve, naming it. Expert
+    weights are (layer, "experts#<depth>"); `mc` tells a shared expert's MLP from a plain
+    one."""
     name = key.removeprefix("base_model.model.")
+    if (me := _EXPERT_RE.match(name)) is not None:
+        depth = me["wrap"].count("base_layer.")
+        return (int(me["layer"]), f"{EXPERTS}#{depth}"), me["kind"]
+    if _PER_EXPERT_RE.search(name):
+        raise _fail(path, f"tensor {key!r} is LoRA on one expert's module (transformers v4 "
+                          f"naming); only target_parameters on the fused experts is served "
+                          f"(PEFT converts such adapters on load)")
     if name in ("model.embed_tokens.weight", "lm_head.weight"):  # modules_to_save
         return VOCAB_MODULES[name.removesuffix(".weight")], "copy"
     m = _PART_RE.match(name)
@@ -59,7 +77,8 @@ def parse_key(key: str, path: object) -> tuple[Target, str]:
     if mod in VOCAB_MODULES:
         return VOCAB_MODULES[mod], part
     lm = _LAYER_MOD_RE.match(mod)
-    if lm is None or lm["name"] not in KNOWN_MODULES or lm["parent"] != parent_of(lm["name"]):
+    if lm is None or lm["name"] not in KNOWN_MODULES or lm["parent"] != parent_of(lm["name"],
+                                                                                   mc):
         raise _fail(path, f"tensor {key!r} targets module {mod!r}, which is not supported "
                           f"(supported: {', '.join(KNOWN_MODULES)}, embed_tokens, lm_head)")
     if part not in _LAYER_PARTS:
