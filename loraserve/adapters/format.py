@@ -243,9 +243,11 @@ def _expert_loras(path, mc: ModelConfig, plan: dict, parts: dict
                               f"not target that many expert weights there")
         per_layer[layer][PART_OF[param]] = expert_weights(
             path, f"{name} ({param})", slot, mc, param, *plan[(layer, f"{EXPERTS}.{param}")])
-    for (layer, module) in plan:
-        if isinstance(module, str) and module.startswith(f"{EXPERTS}.") and \
-                PART_OF[module.split(".")[1]] not in per_layer[layer]:
+    for target in plan:
+        if not isinstance(target, tuple) or not target[1].startswith(f"{EXPERTS}."):
+            continue
+        layer, module = target
+        if PART_OF[module.split(".")[1]] not in per_layer[layer]:
             raise _fail(path, f"adapter_config targets {module} in layer {layer} but the "
                               f"weights file has no tensors for it")
     out = tuple(ExpertLora(d) if d else None for d in per_layer)

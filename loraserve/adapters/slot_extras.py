@@ -1,8 +1,8 @@
 """An adapter's parts beyond B @ A, as its slot holds them (lora/extras.AdapterExtras): per
 layer and module group, DoRA's column scale and lora_bias's bias laid over the group's fused
-output columns (1 and 0 on the columns of modules without them), its vocabulary parts and its
-expert LoRA, on the slot pool's device. Kept in float32: they scale and shift outputs, where bf16 would
-round what PEFT computes in float32."""
+output columns (1 and 0 on the columns of modules without them), its vocabulary parts and
+its expert LoRA, on the slot pool's device. Kept in float32: they scale and shift outputs,
+where bf16 would round what PEFT computes in float32."""
 
 from __future__ import annotations
 

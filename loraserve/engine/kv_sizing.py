@@ -57,7 +57,8 @@ def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
 def step_activation_bytes(mc: ModelConfig, c: EngineConfig, dtype: torch.dtype) -> int:
     """A bound on one step's transient tensors: a layer's widest outputs for every batched
     token (fused qkv, gate_up and the product after it, attention output, two residual-width
-    tensors, and the routed experts' rows), twice over for the allocator's slack, plus float32 logits for every sequence."""
+    tensors, and the routed experts' rows), twice over for the allocator's slack, plus float32
+    logits for every sequence."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
     width = (q + 2 * kv) + 3 * mc.intermediate_size + q + 2 * mc.hidden_size

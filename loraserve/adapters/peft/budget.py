@@ -68,5 +68,5 @@ def check_pattern_count(cfg: dict, path: object) -> None:
     if (n := count_patterns(cfg)) > MAX_PATTERNS:
         raise AdapterFormatError(
             f"adapter {path}: adapter_config.json has {n} module patterns (target_modules, "
-            f"target_parameters, exclude_modules, rank_pattern, alpha_pattern); the per-load bound is "
-            f"{MAX_PATTERNS}")
+            f"target_parameters, exclude_modules, rank_pattern, alpha_pattern); the per-load "
+            f"bound is {MAX_PATTERNS}")

@@ -48,9 +48,9 @@ def read_limited(file: Path, max_bytes: int, path: object, what: str) -> bytes:
 
 def max_weights_bytes(model_config: ModelConfig, max_lora_rank: int) -> int:
     """The largest weights file an acceptable adapter can need: every module (and expert) of
-    every layer at max_lora_rank in float64, with its bias and magnitude vectors, LoRA on the embedding
-    and lm_head, and four [V, d] tables (each end's copy and the base weight PEFT saves next
-    to a targeted embedding), plus room for the header."""
+    every layer at max_lora_rank in float64, with its bias and magnitude vectors, LoRA on the
+    embedding and lm_head, and four [V, d] tables (each end's copy and the base weight PEFT
+    saves next to a targeted embedding), plus room for the header."""
     mc = model_config
     per_rank = sum(sum(mc.module_shape(m)) for m in LORA_MODULES)
     vectors = 2 * sum(mc.module_shape(m)[0] for m in LORA_MODULES)
