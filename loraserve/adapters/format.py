@@ -22,7 +22,8 @@ import torch
 from loraserve.adapters.peft.base_weights import BaseWeights
 from loraserve.adapters.peft.budget import MAX_CONFIG_BYTES, LoadBudget, check_config_shape
 from loraserve.adapters.peft.config_checks import validate_config
-from loraserve.adapters.peft.expert_targets import EXPERTS, PART_OF, param_at_depth
+from loraserve.adapters.peft.expert_targets import EXPERTS
+from loraserve.adapters.peft.expert_weights import expert_loras
 from loraserve.adapters.peft.file_errors import os_errors_as_load_errors
 from loraserve.adapters.peft.files import (
     check_inside,
@@ -31,12 +32,7 @@ from loraserve.adapters.peft.files import (
     read_limited,
 )
 from loraserve.adapters.peft.keys import parse_key
-from loraserve.adapters.peft.modules import (
-    LoraModuleWeights,
-    expert_weights,
-    module_weights,
-    unfused,
-)
+from loraserve.adapters.peft.modules import LoraModuleWeights, module_weights, unfused
 from loraserve.adapters.peft.targets import compile_patterns, full_name, resolve_targets
 from loraserve.adapters.peft.vocab_ends import check_vocab_config, check_vocab_size, vocab_parts
 from loraserve.config import ModelConfig
@@ -197,7 +193,7 @@ def _read_adapter(path, mc: ModelConfig, max_lora_rank: int, allow_pickle: bool,
     nbytes = 0
     dora, lora_bias = bool(cfg.get("use_dora")), bool(cfg.get("lora_bias"))
     base_weight = None if base is None else base.module
-    experts, n_expert_bytes = _expert_loras(path, mc, plan, parts)
+    experts, n_expert_bytes = expert_loras(path, mc, plan, parts)
     nbytes += n_expert_bytes
     for target, slot in sorted((t, p) for t, p in parts.items() if isinstance(t, tuple)):
         layer, module = target
@@ -227,28 +223,3 @@ def _read_adapter(path, mc: ModelConfig, max_lora_rank: int, allow_pickle: bool,
         nbytes=nbytes, fingerprint=fingerprint, vocab=vocab,
         experts=experts if any(experts) else (),
     )
-
-
-def _expert_loras(path, mc: ModelConfig, plan: dict, parts: dict
-                  ) -> tuple[tuple[ExpertLora | None, ...], int]:
-    """Per layer, the LoRA on its experts (peft/expert_targets.py), and its bytes."""
-    per_layer: list[dict] = [{} for _ in range(mc.num_hidden_layers)]
-    for (layer, module), slot in sorted((t, p) for t, p in parts.items()
-                                        if isinstance(t, tuple) and t[1].startswith(EXPERTS)):
-        depth = int(module.split("#")[1])
-        param = param_at_depth(plan, layer, depth)
-        name = f"model.layers.{layer}.mlp.experts{'.base_layer' * depth}"
-        if param is None:
-            raise _fail(path, f"tensors for {name} but adapter_config's target_parameters do "
-                              f"not target that many expert weights there")
-        per_layer[layer][PART_OF[param]] = expert_weights(
-            path, f"{name} ({param})", slot, mc, param, *plan[(layer, f"{EXPERTS}.{param}")])
-    for target in plan:
-        if not isinstance(target, tuple) or not target[1].startswith(f"{EXPERTS}."):
-            continue
-        layer, module = target
-        if PART_OF[module.split(".")[1]] not in per_layer[layer]:
-            raise _fail(path, f"adapter_config targets {module} in layer {layer} but the "
-                              f"weights file has no tensors for it")
-    out = tuple(ExpertLora(d) if d else None for d in per_layer)
-    return out, sum(e.nbytes for e in out if e is not None)

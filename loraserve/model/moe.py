@@ -90,12 +90,12 @@ def moe_forward(x: torch.Tensor, w: MoeWeights, act_mul: Callable, layer: int,
         if a == b:
             continue
         xe = rows[a:b]
-        gu = xe @ w.gate_up[e].T  # [n, 2 * inter]
+        gu = F.linear(xe, w.gate_up[e])  # [n, 2 * inter]
         mine = runs[e] if runs is not None else ()
         for r0, r1, delta in mine:
             delta.add("gate_up", e, xe[r0 - a : r1 - a], gu[r0 - a : r1 - a])
         m = act_mul(gu, inter)  # [n, inter]
-        o = m @ w.down[e].T  # [n, d]
+        o = F.linear(m, w.down[e])  # [n, d]
         for r0, r1, delta in mine:
             delta.add("down", e, m[r0 - a : r1 - a], o[r0 - a : r1 - a])
         out[a:b] = o

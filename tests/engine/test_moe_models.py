@@ -17,22 +17,12 @@ import pytest
 import torch
 from adapter_factory import build_peft_model, load_base_model
 from model_factory import make_tiny_family
+from moe_factory import MOE_FAMILIES
 
 from loraserve import LLM, SamplingParams
 
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
-# name -> (model_type, config fields)
-FAMILIES: dict[str, tuple[str, dict]] = {
-    "qwen2_moe": ("qwen2_moe", dict(num_experts=8, num_experts_per_tok=2,
-                                    moe_intermediate_size=32,
-                                    shared_expert_intermediate_size=48)),
-    "qwen3_moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2,
-                                    moe_intermediate_size=32, norm_topk_prob=True,
-                                    head_dim=32)),
-    "olmoe": ("olmoe", dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32)),
-    "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2,
-                                intermediate_size=32)),
-}
+FAMILIES = MOE_FAMILIES
 ADAPTERS = {
     # every expert's gate_up and down, plus q_proj: rows mix attention and expert LoRA
     "experts": dict(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=EXPERTS,

@@ -1,7 +1,7 @@
 """What of mixture-of-experts configs and adapters is not computed exactly is refused, named
 in one line: dense layers between expert layers, gpt-oss, OLMoE's qkv clipping, LoRA on the
-router or on one expert's module (transformers v4 naming), target_parameters on a dense
-model, and the PEFT options its ParamWrapper refuses too."""
+router, expert tensors the config does not target, target_parameters on a dense model, and
+the PEFT options its ParamWrapper refuses too."""
 
 from __future__ import annotations
 
@@ -77,16 +77,36 @@ def test_dora_with_target_parameters_is_refused(qwen2_moe, tmp_path):
         _read(a, qwen2_moe)
 
 
-def test_per_expert_module_lora_is_refused_by_name(qwen2_moe, tmp_path):
+@pytest.mark.parametrize("module, named", [
+    ("mlp.experts.3.gate_proj", "does not target it"),  # config targets q_proj only
+    ("mlp.experts.9.gate_proj", "does not target it"),  # 4 experts
+    ("block_sparse_moe.experts.3.w1", "expert module this model does not have"),
+])
+def test_per_expert_tensors_we_cannot_place_are_refused(module, named, qwen2_moe, tmp_path):
     a = make_peft_adapter(qwen2_moe, tmp_path / "a", target_modules=["q_proj"])
 
     def add_expert(t: dict) -> None:  # transformers v4's per-expert nn.Linear naming
-        pre = "base_model.model.model.layers.0.mlp.experts.3.gate_proj"
+        pre = f"base_model.model.model.layers.0.{module}"
         t[f"{pre}.lora_A.weight"] = torch.zeros(8, 32)
         t[f"{pre}.lora_B.weight"] = torch.zeros(16, 8)
 
     edit_tensors(a, add_expert)
-    with pytest.raises(AdapterFormatError, match="one expert's module"):
+    with pytest.raises(AdapterFormatError, match=named):
+        _read(a, qwen2_moe)
+
+
+def test_both_expert_forms_in_one_layer_are_refused(qwen2_moe, tmp_path):
+    a = make_peft_adapter(qwen2_moe, tmp_path / "a", target_modules=["q_proj"],
+                          target_parameters=["experts.down_proj"])
+    edit_config(a, target_modules=["q_proj", "gate_proj"])
+
+    def add_expert(t: dict) -> None:
+        pre = "base_model.model.model.layers.0.mlp.experts.1.gate_proj"
+        t[f"{pre}.lora_A.weight"] = torch.zeros(8, 32)
+        t[f"{pre}.lora_B.weight"] = torch.zeros(16, 8)
+
+    edit_tensors(a, add_expert)
+    with pytest.raises(AdapterFormatError, match="both per expert module and through"):
         _read(a, qwen2_moe)
 
 

@@ -9,9 +9,13 @@ Two targeted parameters of one module nest: the first wrapped, in the module's p
 order (gate_up_proj, then down_proj), is innermost, so its keys carry one more
 `base_layer.` than the next; the file's keys name no parameter, only that depth. PEFT matches
 a target parameter by its full name or a dotted suffix (BaseTuner._inject_parameters);
-exclude_modules and layers_to_transform do not apply to them there, nor here. Adapters saved
-with transformers v4's per-expert modules (`experts.0.gate_proj`) are refused by name
-(peft/keys.py): PEFT converts them on load into this form.
+exclude_modules and layers_to_transform do not apply to them there, nor here.
+
+Adapters trained on transformers v4, whose experts were one nn.Linear each, target them with
+target_modules (`mlp.experts.3.gate_proj`, Mixtral's `block_sparse_moe.experts.3.w1`): each
+expert's module its own LoRA, matched like any module. PEFT converts these on load into the
+fused form (peft/utils/transformers_weight_conversion.py: gate's and up's A stacked on the
+rank, their B block-diagonal), and so do we (peft/expert_weights.py).
 """
 
 from __future__ import annotations
@@ -29,6 +33,22 @@ EXPERTS = "experts"  # the module of keys.py's expert targets: (layer, "experts#
 
 def _fail(path: object, problem: str) -> AdapterFormatError:
     return AdapterFormatError(f"adapter {path}: {problem}")
+
+
+def per_expert_modules(mc: ModelConfig) -> tuple[str, dict[str, str]]:
+    """The v4 block name and its expert linears -> our part and half ("gate_up.0" is gate)."""
+    if mc.architecture == "MixtralForCausalLM":
+        return "block_sparse_moe", {"w1": "gate_up.0", "w3": "gate_up.1", "w2": "down.0"}
+    return "mlp", {"gate_proj": "gate_up.0", "up_proj": "gate_up.1", "down_proj": "down.0"}
+
+
+def per_expert_names(mc: ModelConfig) -> dict[tuple[int, str], str]:
+    """(layer, "experts:<e>:<module>") -> the v4 module's full name, every expert linear."""
+    if not mc.num_experts:
+        return {}
+    block, mods = per_expert_modules(mc)
+    return {(i, f"{EXPERTS}:{e}:{m}"): f"model.layers.{i}.{block}.experts.{e}.{m}"
+            for i in range(mc.num_hidden_layers) for e in range(mc.num_experts) for m in mods}
 
 
 def param_name(layer: int, param: str) -> str:

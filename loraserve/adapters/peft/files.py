@@ -54,9 +54,9 @@ def max_weights_bytes(model_config: ModelConfig, max_lora_rank: int) -> int:
     mc = model_config
     per_rank = sum(sum(mc.module_shape(m)) for m in LORA_MODULES)
     vectors = 2 * sum(mc.module_shape(m)[0] for m in LORA_MODULES)
-    # experts' gate_up [2i, d] and down [d, i]: each expert's A and B at max_lora_rank
-    i, d = mc.moe_intermediate_size, mc.hidden_size
-    per_rank += mc.num_experts * (2 * i + d + d + i)
+    # each expert's gate, up and down: A and B at max_lora_rank (per module, v4's form, is
+    # the larger of the two forms peft/expert_targets.py reads)
+    per_rank += mc.num_experts * 3 * (mc.moe_intermediate_size + mc.hidden_size)
     vocab = mc.vocab_size + mc.hidden_size
     return ((per_rank * max_lora_rank + vectors) * mc.num_hidden_layers
             + 2 * vocab * max_lora_rank + 4 * mc.vocab_size * mc.hidden_size) * 8 + (1 << 20)
@@ -70,8 +70,9 @@ def max_tensors(model_config: ModelConfig) -> int:
     """A bound on the header's entries, before any is looked at: an A and a B per LoRA module
     of every layer, four times over (room for lora_bias and DoRA's magnitude), plus the
     vocabulary ends' parts (stray tensors are then refused by name); an A and a B per expert
-    weight (peft/expert_targets.py)."""
-    per_layer = 4 * 2 * len(LORA_MODULES) + (2 * 2 if model_config.num_experts else 0)
+    weight, or per expert module (peft/expert_targets.py)."""
+    experts = model_config.num_experts
+    per_layer = 4 * 2 * len(LORA_MODULES) + (2 * 2 + 2 * 3 * experts if experts else 0)
     return per_layer * model_config.num_hidden_layers + VOCAB_END_TENSORS
 
 

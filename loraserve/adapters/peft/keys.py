@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from loraserve.adapters.peft.expert_targets import EXPERTS
+from loraserve.adapters.peft.expert_targets import EXPERTS, per_expert_modules
 from loraserve.adapters.peft.targets import KNOWN_MODULES, VOCAB_MODULES, parent_of
 from loraserve.config import ModelConfig
 from loraserve.types import AdapterFormatError
@@ -31,7 +31,11 @@ _EXPERT_RE = re.compile(
     r"^(?:model\.)?layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<wrap>(?:base_layer\.)*)"
     r"(?P<kind>lora_A|lora_B)(?:\.[^.]+)?\.weight$"
 )
-_PER_EXPERT_RE = re.compile(r"\.(?:experts|block_sparse_moe)\.")
+# transformers v4's one nn.Linear per expert (peft/expert_targets.per_expert_names)
+_PER_EXPERT_RE = re.compile(
+    r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe)\.experts\."
+    r"(?P<expert>\d+)\.(?P<name>\w+)\.(?P<kind>lora_A|lora_B)(?:\.[^.]+)?\.weight$"
+)
 _PARTS = {
     ("lora_A", "weight"): "lora_A", ("lora_B", "weight"): "lora_B",
     ("lora_B", "bias"): "lora_B.bias", ("lora_magnitude_vector", None): "magnitude",
@@ -49,17 +53,20 @@ def _fail(path: object, problem: str) -> AdapterFormatError:
 
 
 def parse_key(key: str, path: object, mc: ModelConfig | None = None) -> tuple[Target, str]:
-    """(target, part) of one tensor key; refuse what we cannot serve, naming it. Expert
-    weights are (layer, "experts#<depth>"); `mc` tells a shared expert's MLP from a plain
-    one."""
+    """(target, part) of one tensor key; refuse what we cannot serve, naming it. Fused expert
+    weights are (layer, "experts#<depth>"), v4's per-expert modules (layer,
+    "experts:<e>:<module>") (peft/expert_targets.py); `mc` tells a shared expert's MLP from a
+    plain one, and which expert modules the model has."""
     name = key.removeprefix("base_model.model.")
     if (me := _EXPERT_RE.match(name)) is not None:
         depth = me["wrap"].count("base_layer.")
         return (int(me["layer"]), f"{EXPERTS}#{depth}"), me["kind"]
-    if _PER_EXPERT_RE.search(name):
-        raise _fail(path, f"tensor {key!r} is LoRA on one expert's module (transformers v4 "
-                          f"naming); only target_parameters on the fused experts is served "
-                          f"(PEFT converts such adapters on load)")
+    if (me := _PER_EXPERT_RE.match(name)) is not None:
+        block, mods = per_expert_modules(mc) if mc is not None else (me["block"], None)
+        if me["block"] != block or (mods is not None and me["name"] not in mods):
+            raise _fail(path, f"tensor {key!r} targets an expert module this model does not "
+                              f"have")
+        return (int(me["layer"]), f"{EXPERTS}:{int(me['expert'])}:{me['name']}"), me["kind"]
     if name in ("model.embed_tokens.weight", "lm_head.weight"):  # modules_to_save
         return VOCAB_MODULES[name.removesuffix(".weight")], "copy"
     m = _PART_RE.match(name)

@@ -120,20 +120,3 @@ def unfused(module: str, w: LoraModuleWeights, mc: ModelConfig) -> dict[str, Lor
             col_scale=None if w.col_scale is None else w.col_scale[rows].contiguous())
         row = rows.stop
     return out
-
-
-def expert_weights(path: object, name: str, parts: dict, mc: ModelConfig, param: str,
-                   rank: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A [E, r, d_in], B [E, d_out, r] times scale), float32, of one expert weight saved by
-    PEFT's ParamWrapper (peft/expert_targets.py): A [E * r, d_in], B [d_out, E * r] with
-    expert e's rank columns at e, e + E, ..."""
-    e, inter, d = mc.num_experts, mc.moe_intermediate_size, mc.hidden_size
-    d_out, d_in = (2 * inter, d) if param == "gate_up_proj" else (d, inter)
-    for need in ("lora_A", "lora_B"):
-        if need not in parts:
-            raise _fail(path, f"{name} has no {need} tensor")
-    a = float_tensor(path, *parts["lora_A"], (e * rank, d_in))
-    b = float_tensor(path, *parts["lora_B"], (d_out, e * rank))
-    a_e = a.reshape(e, rank, d_in).contiguous()
-    b_e = (b.reshape(d_out, rank, e).permute(2, 0, 1) * scale).contiguous()
-    return a_e, b_e

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 
 from loraserve.adapters.peft.budget import LoadBudget, check_pattern_count
-from loraserve.adapters.peft.expert_targets import resolve_expert_targets
+from loraserve.adapters.peft.expert_targets import per_expert_names, resolve_expert_targets
 from loraserve.adapters.peft.linear_regex import PatternRefused, compile_linear
 from loraserve.config import ATTN_MODULES, LORA_MODULES, ModelConfig
 from loraserve.types import AdapterFormatError
@@ -64,11 +64,12 @@ def _model_module_names(mc: ModelConfig) -> list[str]:
         names += [pre, f"{pre}.self_attn", f"{pre}.mlp", f"{pre}.mlp.act_fn"]
         names += [f"{pre}.input_layernorm", f"{pre}.post_attention_layernorm"]
         names += [full_name(i, m, mc) for m in peft_modules(mc)]
-        if mc.num_experts:
-            names += [f"{pre}.mlp.gate", f"{pre}.mlp.experts"]
+        if mc.num_experts:  # and transformers v4's (per_expert_names)
+            names += [f"{pre}.mlp.gate", f"{pre}.mlp.experts",
+                      f"{pre}.block_sparse_moe.gate"]
         if mc.shared_expert:
             names += [f"{pre}.mlp.shared_expert", f"{pre}.mlp.shared_expert_gate"]
-    return names
+    return names + list(per_expert_names(mc).values())
 
 
 def _suffix_match(targets, key: str) -> bool:
@@ -167,6 +168,8 @@ def resolve_targets(
     modules = peft_modules(mc)
     lora_names = {full_name(i, m, mc) for i in range(mc.num_hidden_layers) for m in modules}
     lora_names |= set(VOCAB_MODULES)  # LoRA on the embedding and lm_head: lora/extras.py
+    experts = per_expert_names(mc)
+    lora_names |= set(experts.values())
     tm = cfg.get("target_modules") or []
     if tm == "all-linear" and mc.num_experts:
         raise _fail(path, "target_modules 'all-linear' is not supported on a mixture-of-experts "
@@ -206,6 +209,10 @@ def resolve_targets(
             if cfg.get("use_dora"):
                 raise _fail(path, f"DoRA on {name} is not supported yet")
             plan[name] = _rank_scale(cfg, pats, key, path, max_lora_rank)
+    for target, key in experts.items():
+        budget.check(path, "matching the experts")
+        if is_targeted(cfg, pats, key):
+            plan[target] = _rank_scale(cfg, pats, key, path, max_lora_rank)
     plan.update(resolve_expert_targets(
         cfg, mc, path, lambda key: _rank_scale(cfg, pats, key, path, max_lora_rank)))
     if not plan and not cfg.get("modules_to_save") and not cfg.get("trainable_token_indices"):
