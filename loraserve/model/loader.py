@@ -71,13 +71,13 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
                                                                  "down_proj"))
 
     def experts(p: str) -> MoeWeights:
-        """The layer's experts stacked: [E, 2 * inter, d] gate over up, and [E, d, inter]."""
+        """The layer's experts: per expert gate over up [2 * inter, d], and down [d, inter]."""
         m = p + moe_block + "."
         g, u, d = ([take(f"{m}experts.{e}.{n}.weight") for e in range(c.num_experts)]
                    for n in expert_names)
-        gate_up = torch.stack([torch.cat(pair) for pair in zip(g, u, strict=True)])
+        gate_up = [Linear(torch.cat(pair)) for pair in zip(g, u, strict=True)]
         return MoeWeights(router=take(m + "gate.weight").contiguous(), gate_up=gate_up,
-                          down=torch.stack(d), top_k=c.num_experts_per_tok,
+                          down=[Linear(w) for w in d], top_k=c.num_experts_per_tok,
                           norm_topk=c.norm_topk_prob,
                           shared_gate=take(m + "shared_expert_gate.weight").contiguous()
                           if c.shared_expert else None)

@@ -22,6 +22,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from loraserve.model.linear import Linear
+
 
 class ExpertDelta(Protocol):
     """One adapter's LoRA on the experts of one layer."""
@@ -45,8 +47,9 @@ class ExpertLoraHook(Protocol):
 @dataclass
 class MoeWeights:
     router: torch.Tensor  # [E, d] the router's logits weight
-    gate_up: torch.Tensor  # [E, 2 * inter, d] each expert's gate_proj over its up_proj
-    down: torch.Tensor  # [E, d, inter]
+    # per expert, packed for the fastest GEMM like every projection (model/linear.py)
+    gate_up: list[Linear]  # d -> 2 * inter: gate_proj over up_proj
+    down: list[Linear]  # inter -> d
     top_k: int
     norm_topk: bool
     shared_gate: torch.Tensor | None = None  # [1, d] Qwen2-MoE's sigmoid gate of its shared expert
@@ -57,8 +60,9 @@ class MoeWeights:
 
     @property
     def nbytes(self) -> int:
-        ts = (self.router, self.gate_up, self.down, self.shared_gate)
-        return sum(t.nbytes for t in ts if t is not None)
+        ts = (self.router, self.shared_gate)
+        return (sum(t.nbytes for t in ts if t is not None)
+                + sum(lin.nbytes for lin in (*self.gate_up, *self.down)))
 
 
 def route(x: torch.Tensor, w: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,18 +88,18 @@ def moe_forward(x: torch.Tensor, w: MoeWeights, act_mul: Callable, layer: int,
     runs = None if lora is None else lora.expert_runs(layer, token_of_row, bounds)
     rows = x[token_of_row]  # [T*k, d]
     out = torch.empty_like(rows)
-    inter = w.down.shape[2]
+    inter = w.down[0].in_features
     for e in range(w.num_experts):
         a, b = bounds[e], bounds[e + 1]
         if a == b:
             continue
         xe = rows[a:b]
-        gu = F.linear(xe, w.gate_up[e])  # [n, 2 * inter]
+        gu = w.gate_up[e](xe)  # [n, 2 * inter]
         mine = runs[e] if runs is not None else ()
         for r0, r1, delta in mine:
             delta.add("gate_up", e, xe[r0 - a : r1 - a], gu[r0 - a : r1 - a])
         m = act_mul(gu, inter)  # [n, inter]
-        o = F.linear(m, w.down[e])  # [n, d]
+        o = w.down[e](m)  # [n, d]
         for r0, r1, delta in mine:
             delta.add("down", e, m[r0 - a : r1 - a], o[r0 - a : r1 - a])
         out[a:b] = o
