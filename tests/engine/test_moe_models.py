@@ -4,7 +4,7 @@ Each family saves a tiny random checkpoint with transformers' own config class (
 top-2; the router random, so routing is decided by the weights), PEFT adapters over it (LoRA
 on every expert through target_parameters, on attention, and on Qwen2-MoE's shared expert),
 and serves base and adapter prompts mixed in ONE `generate` call with chunked prefill, on
-both CPU LoRA backends. The reference is a plain argmax loop over the HF model (a PeftModel
+both CPU LoRA backends (and the triton one, interpreted, on Qwen2-MoE). The reference is a plain argmax loop over the HF model (a PeftModel
 for adapter rows; PEFT's ParamWrapper cannot mix adapters in a batch, so one at a time).
 """
 
@@ -77,10 +77,23 @@ def build_family(root: Path, family: str):
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_moe_mixed_batch_equals_transformers_and_peft(family, backend, tmp_path_factory):
+    _check(tmp_path_factory, family, backend)
+
+
+def test_moe_triton_backend_interpreted(tmp_path_factory):
+    # Triton's interpreter is slow: the shortest prompt of each group; the shared expert's
+    # LoRA runs in the triton kernels, the experts' in torch beside them
+    _check(tmp_path_factory, "qwen2_moe", "triton", first_only=True)
+
+
+def _check(tmp_path_factory, family: str, backend: str, first_only: bool = False) -> None:
     base_dir, paths, prompts, refs = build_family(tmp_path_factory.getbasetemp() / "moe",
                                                   family)
+    if first_only:
+        prompts = {g: ps[:1] for g, ps in prompts.items()}
     llm = LLM(str(base_dir), lora_paths=paths, max_num_batched_tokens=16,
               lora_backend=backend)
+    assert llm.engine.info.lora_backend == backend
     keys = [(g, i) for g, ps in prompts.items() for i in range(len(ps))]
     random.Random(0).shuffle(keys)  # adapters and base interleaved in the batch
     outs = llm.generate([prompts[g][i] for g, i in keys],
@@ -103,3 +116,8 @@ def test_expert_lora_counts_in_adapter_memory(tmp_path_factory):
     q_bytes = 4 * mc.num_hidden_layers * r * (d + mc.num_attention_heads * mc.head_dim)
     assert w.nbytes == expert_bytes + q_bytes
     assert sum(x.nbytes for x in w.experts) == expert_bytes
+    # and in the slot that holds it, beside the packed q_proj rows
+    llm = LLM(str(base_dir), lora_paths={"experts": paths["experts"]})
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1), lora=["experts"])
+    pool = llm.engine.slot_pool
+    assert [e.nbytes for e in pool.extras if e is not None] == [expert_bytes]
