@@ -4,8 +4,9 @@ Each family saves a tiny random checkpoint with transformers' own config class (
 top-2; the router random, so routing is decided by the weights), PEFT adapters over it (LoRA
 on every expert through target_parameters, on attention, and on Qwen2-MoE's shared expert),
 and serves base and adapter prompts mixed in ONE `generate` call with chunked prefill, on
-both CPU LoRA backends (and the triton one, interpreted, on Qwen2-MoE). The reference is a plain argmax loop over the HF model (a PeftModel
-for adapter rows; PEFT's ParamWrapper cannot mix adapters in a batch, so one at a time).
+both CPU LoRA backends (and the triton one, interpreted, on Qwen2-MoE). The reference is a
+plain argmax loop over the HF model (a PeftModel for adapter rows; PEFT's ParamWrapper cannot
+mix adapters in a batch, so one at a time).
 """
 
 from __future__ import annotations
