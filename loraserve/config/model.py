@@ -83,6 +83,7 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
+    routing_fp32: bool = False  # routing weights stay float32 when weighting outputs (Mixtral)
     shared_expert: bool = False
 
     @property

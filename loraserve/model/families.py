@@ -125,7 +125,7 @@ def _olmoe(c: dict, where: str) -> dict:
 
 
 def _mixtral(c: dict, where: str) -> dict:
-    return dict(**_windows(c, where, _every_layer(c)),
+    return dict(**_windows(c, where, _every_layer(c)), routing_fp32=True,
                 **moe_fields(c, where, experts_key="num_local_experts",
                              inter_key="intermediate_size", always_norm=True))
 

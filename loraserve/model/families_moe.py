@@ -4,7 +4,8 @@ field we do not compute.
 
 All four route alike (transformers' *TopKRouter): softmax over every expert's logit in
 float32, the top k, renormalised to sum 1 where `norm_topk_prob` says so (Mixtral always: a
-softmax over its top-k logits is the same thing), cast back to the model's dtype. Qwen2-MoE
+softmax over its top-k logits is the same thing), cast back to the model's dtype (Mixtral
+weights its experts' outputs in float32). Qwen2-MoE
 adds its shared expert, a dense MLP gated per token by sigmoid(x @ w). Training-only fields
 (router_aux_loss_coef, output_router_logits, router_jitter_noise) do not change inference.
 """

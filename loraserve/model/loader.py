@@ -78,7 +78,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         gate_up = [Linear(torch.cat(pair)) for pair in zip(g, u, strict=True)]
         return MoeWeights(router=take(m + "gate.weight").contiguous(), gate_up=gate_up,
                           down=[Linear(w) for w in d], top_k=c.num_experts_per_tok,
-                          norm_topk=c.norm_topk_prob,
+                          norm_topk=c.norm_topk_prob, routing_fp32=c.routing_fp32,
                           shared_gate=take(m + "shared_expert_gate.weight").contiguous()
                           if c.shared_expert else None)
     layers = []

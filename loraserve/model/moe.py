@@ -52,6 +52,7 @@ class MoeWeights:
     down: list[Linear]  # inter -> d
     top_k: int
     norm_topk: bool
+    routing_fp32: bool = False  # weights kept in float32 (Mixtral), else the model's dtype
     shared_gate: torch.Tensor | None = None  # [1, d] Qwen2-MoE's sigmoid gate of its shared expert
 
     @property
@@ -66,13 +67,13 @@ class MoeWeights:
 
 
 def route(x: torch.Tensor, w: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] in x's dtype, experts [T, k]) as transformers' routers compute them."""
+    """(weights [T, k], experts [T, k]) as transformers' routers compute them."""
     logits = F.linear(x, w.router)  # [T, E]
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top, experts = torch.topk(probs, w.top_k, dim=-1)
     if w.norm_topk:
         top /= top.sum(dim=-1, keepdim=True)
-    return top.to(x.dtype), experts
+    return (top if w.routing_fp32 else top.to(x.dtype)), experts
 
 
 def moe_forward(x: torch.Tensor, w: MoeWeights, act_mul: Callable, layer: int,
@@ -103,7 +104,7 @@ def moe_forward(x: torch.Tensor, w: MoeWeights, act_mul: Callable, layer: int,
         for r0, r1, delta in mine:
             delta.add("down", e, m[r0 - a : r1 - a], o[r0 - a : r1 - a])
         out[a:b] = o
-    out *= weights.reshape(-1)[order].unsqueeze(1)
+    out *= weights.reshape(-1)[order].unsqueeze(1)  # in float32 where weights are
     y = torch.zeros((num_tokens, x.shape[1]), dtype=x.dtype, device=x.device)
     return y.index_add_(0, token_of_row, out)
 
