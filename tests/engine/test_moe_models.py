@@ -23,7 +23,9 @@ from moe_factory import MOE_FAMILIES
 from loraserve import LLM, SamplingParams
 
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
-FAMILIES = MOE_FAMILIES
+# and Mixtral with a window shorter than the prompts (binding on every layer)
+FAMILIES = {**MOE_FAMILIES,
+            "mixtral-window": ("mixtral", {**MOE_FAMILIES["mixtral"][1], "sliding_window": 8})}
 ADAPTERS = {
     # every expert's gate_up and down, plus q_proj: rows mix attention and expert LoRA
     "experts": dict(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=EXPERTS,
