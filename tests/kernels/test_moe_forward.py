@@ -59,3 +59,29 @@ def test_grouped_experts_equal_transformers(model_type, tokens, dtype):
     assert weights.dtype == hf_weights.dtype
     torch.testing.assert_close(weights, hf_weights, rtol=0, atol=0)
     torch.testing.assert_close(got, want)
+
+
+def test_expert_runs_cover_each_segments_rows_in_every_expert():
+    from loraserve.lora.expert_lora import expert_runs
+
+    g = torch.Generator().manual_seed(0)
+    tokens, k, num_experts = 23, 3, 6
+    experts = torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(tokens)])
+    flat = experts.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    token_of_row = order // k
+    bounds = [0, *torch.cumsum(torch.bincount(flat, minlength=num_experts), 0).tolist()]
+    a, b = object(), object()  # two adapters' segments; tokens 5-9 and 20-22 are base rows
+    segments = [(0, 5, a), (10, 20, b), (20, 23, a)]
+    runs = expert_runs(segments, token_of_row, bounds)
+    owner = {}
+    for t0, t1, who in segments:
+        owner.update(dict.fromkeys(range(t0, t1), who))
+    for e in range(num_experts):
+        covered = {}
+        for r0, r1, who in runs[e]:
+            assert bounds[e] <= r0 < r1 <= bounds[e + 1]
+            covered.update(dict.fromkeys(range(r0, r1), who))
+        for r in range(bounds[e], bounds[e + 1]):
+            assert int(flat[order[r]]) == e
+            assert covered.get(r) is owner.get(int(token_of_row[r])), (e, r)
