@@ -22,6 +22,8 @@ import torch
 from loraserve.adapters.peft.base_weights import BaseWeights
 from loraserve.adapters.peft.budget import MAX_CONFIG_BYTES, LoadBudget, check_config_shape
 from loraserve.adapters.peft.config_checks import validate_config
+from loraserve.adapters.peft.expert_targets import EXPERTS
+from loraserve.adapters.peft.expert_weights import expert_loras
 from loraserve.adapters.peft.file_errors import os_errors_as_load_errors
 from loraserve.adapters.peft.files import (
     check_inside,
@@ -34,6 +36,7 @@ from loraserve.adapters.peft.modules import LoraModuleWeights, module_weights, u
 from loraserve.adapters.peft.targets import compile_patterns, full_name, resolve_targets
 from loraserve.adapters.peft.vocab_ends import check_vocab_config, check_vocab_size, vocab_parts
 from loraserve.config import ModelConfig
+from loraserve.lora.expert_lora import ExpertLora
 from loraserve.lora.extras import VocabParts
 from loraserve.types import AdapterFormatError
 
@@ -55,10 +58,11 @@ class LoraAdapterWeights:
     nbytes: int  # every tensor it holds, its full copies of embed_tokens / lm_head included
     fingerprint: str  # sha256 over the config and the weights file bytes
     vocab: VocabParts | None = None  # embedding / lm_head parts (lora/extras.py)
+    experts: tuple[ExpertLora | None, ...] = ()  # per layer: LoRA on its experts; () = none
 
     def description(self) -> LoraAdapterWeights:
         """The same adapter without its tensors (they were packed into a slot)."""
-        return replace(self, layers=(), vocab=None)
+        return replace(self, layers=(), vocab=None, experts=())
 
 
 def _fail(path: object, problem: str) -> AdapterFormatError:
@@ -119,7 +123,7 @@ def _load_tensors(p: Path, path: object, allow_pickle: bool, root: str | None,
         entries, data = open_safetensors(st, path, max_bytes, mc)
         check_vocab_size({e.name: e.shape for e in entries}, mc, path)
         for e in entries:  # names are refused from the header, before any tensor is made
-            parse_key(e.name, path)
+            parse_key(e.name, path, mc)
         try:
             from safetensors.torch import load
 
@@ -174,7 +178,7 @@ def _read_adapter(path, mc: ModelConfig, max_lora_rank: int, allow_pickle: bool,
     check_vocab_size({k: t.shape for k, t in tensors.items()}, mc, path)  # a pickle's too
     parts: dict[tuple[int, str] | str, dict[str, tuple[str, torch.Tensor]]] = {}
     for key, t in tensors.items():
-        target, part = parse_key(key, path)
+        target, part = parse_key(key, path, mc)
         if isinstance(target, tuple) and target[0] >= mc.num_hidden_layers:
             raise _fail(path, f"tensor {key!r} is for layer {target[0]}, out of range for a "
                               f"{mc.num_hidden_layers}-layer model")
@@ -189,9 +193,13 @@ def _read_adapter(path, mc: ModelConfig, max_lora_rank: int, allow_pickle: bool,
     nbytes = 0
     dora, lora_bias = bool(cfg.get("use_dora")), bool(cfg.get("lora_bias"))
     base_weight = None if base is None else base.module
+    experts, n_expert_bytes = expert_loras(path, mc, plan, parts)
+    nbytes += n_expert_bytes
     for target, slot in sorted((t, p) for t, p in parts.items() if isinstance(t, tuple)):
         layer, module = target
-        name = full_name(layer, module)
+        if module.startswith(EXPERTS):
+            continue
+        name = full_name(layer, module, mc)
         if target not in plan:
             raise _fail(path, f"tensors for {name} but adapter_config does not target it")
         budget.check(path, "building the modules")  # DoRA's norms read the base weights
@@ -202,14 +210,16 @@ def _read_adapter(path, mc: ModelConfig, max_lora_rank: int, allow_pickle: bool,
     vocab = vocab_parts(path, cfg, mc, {k: v for k, v in plan.items() if isinstance(k, str)},
                         {k: v for k, v in parts.items() if isinstance(k, str)}, base)
     ranks = [w.rank for d in layers for w in d.values()]
+    ranks += [a.shape[1] for e in experts if e is not None for a, _ in e.parts.values()]
     if vocab is not None:
         nbytes += vocab.nbytes
         ranks += [lo[0].shape[1] for lo in (vocab.embed_lora,) if lo is not None]
         ranks += [lo[0].shape[0] for lo in (vocab.head_lora,) if lo is not None]
-    elif not any(layers):
+    elif not any(layers) and not any(experts):
         raise _fail(path, "the weights file holds no LoRA tensors")
     return LoraAdapterWeights(
         path=str(path), rank=max(ranks, default=0),
         target_modules=frozenset(m for d in layers for m in d), layers=tuple(layers),
         nbytes=nbytes, fingerprint=fingerprint, vocab=vocab,
+        experts=experts if any(experts) else (),
     )

@@ -1,8 +1,8 @@
 """An adapter's parts beyond B @ A, as its slot holds them (lora/extras.AdapterExtras): per
 layer and module group, DoRA's column scale and lora_bias's bias laid over the group's fused
-output columns (1 and 0 on the columns of modules without them), and its vocabulary parts,
-on the slot pool's device. Kept in float32: they scale and shift outputs, where bf16 would
-round what PEFT computes in float32."""
+output columns (1 and 0 on the columns of modules without them), its vocabulary parts and
+its expert LoRA, on the slot pool's device. Kept in float32: they scale and shift outputs,
+where bf16 would round what PEFT computes in float32."""
 
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ def pack_extras(weights: LoraAdapterWeights, layouts: dict[str, GroupLayout],
                     bias=None if bias is None else bias.to(device))
         epilogues.append(per_group)
     vocab = None if weights.vocab is None else weights.vocab.to(device)
-    if vocab is None and not any(epilogues):
+    experts = tuple(None if e is None else e.to(device) for e in weights.experts)
+    if vocab is None and not any(epilogues) and not any(experts):
         return None
-    return AdapterExtras(tuple(epilogues) if any(epilogues) else (), vocab)
+    return AdapterExtras(tuple(epilogues) if any(epilogues) else (), vocab,
+                         experts if any(experts) else ())

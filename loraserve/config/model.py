@@ -76,6 +76,20 @@ class ModelConfig:
     qk_norm_full: bool = False  # RMSNorm over the whole q and k projections (OLMo 2)
     # q/k/v and gate/up are one tensor each in the checkpoint and in PEFT names (Phi-3)
     fused_modules: bool = False
+    # Mixture of experts (model/moe.py): 0 experts = a dense MLP in every layer. With experts,
+    # every layer routes each token to its top num_experts_per_tok experts; the dense MLP
+    # (intermediate_size) stays only as a shared expert gated by a sigmoid (Qwen2-MoE).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
+    routing_fp32: bool = False  # routing weights stay float32 when weighting outputs (Mixtral)
+    shared_expert: bool = False
+
+    @property
+    def dense_mlp(self) -> bool:
+        """Whether each layer has the gate/up/down MLP (a shared expert counts)."""
+        return self.num_experts == 0 or self.shared_expert
 
     @classmethod
     def from_hf_dict(cls, cfg: dict, name: str = "model", **computation) -> ModelConfig:
@@ -137,7 +151,10 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
-        per_layer = sum(o * i for o, i in (self.module_shape(m) for m in LORA_MODULES))
+        mods = LORA_MODULES if self.dense_mlp else ATTN_MODULES
+        per_layer = sum(o * i for o, i in (self.module_shape(m) for m in mods))
         per_layer += 2 * self.hidden_size
+        # experts: gate, up and down each, plus the router's row per expert
+        per_layer += self.num_experts * (3 * self.moe_intermediate_size + 1) * self.hidden_size
         emb = self.vocab_size * self.hidden_size
         return self.num_hidden_layers * per_layer + emb * (1 if self.tie_word_embeddings else 2)

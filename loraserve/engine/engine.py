@@ -69,8 +69,10 @@ class LLMEngine(RequestIntake, AdapterAdmin):
         # after the weights and the slot pool: on a GPU the cache gets what they leave
         self.kv_sizing = size_kv_cache(c, mc, self.device, self.dtype)
         num_blocks = self.kv_sizing.tokens // c.block_size
-        # decode graphs' padding rows write to a block of their own, within the budget
-        graphs = not c.disable_cuda_graph and num_blocks > 1
+        # decode graphs' padding rows write to a block of their own, within the budget. None
+        # for experts: each expert's matmul is sized by the routing, read back every layer
+        # (model/moe.py), which a captured graph cannot do
+        graphs = not c.disable_cuda_graph and num_blocks > 1 and not mc.num_experts
         num_blocks -= graphs
         self.kv = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching)
         self.store = AdapterStore(self.slot_pool, DiskLoader(self.read_adapter), limits,

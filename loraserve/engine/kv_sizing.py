@@ -57,10 +57,14 @@ def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
 def step_activation_bytes(mc: ModelConfig, c: EngineConfig, dtype: torch.dtype) -> int:
     """A bound on one step's transient tensors: a layer's widest outputs for every batched
     token (fused qkv, gate_up and the product after it, attention output, two residual-width
-    tensors), twice over for the allocator's slack, plus float32 logits for every sequence."""
+    tensors, and the routed experts' rows), twice over for the allocator's slack, plus float32
+    logits for every sequence."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
     width = (q + 2 * kv) + 3 * mc.intermediate_size + q + 2 * mc.hidden_size
+    # experts: each token's top-k rows (input, gate_up and product, output) and the router's
+    width += mc.num_experts_per_tok * (2 * mc.hidden_size + 3 * mc.moe_intermediate_size)
+    width += 2 * mc.num_experts
     return 2 * c.max_num_batched_tokens * width * itemsize + c.max_num_seqs * mc.vocab_size * 4
 
 

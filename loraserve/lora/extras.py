@@ -9,7 +9,9 @@ whichever backend computed the group's projection, so every backend serves it al
   `bias` is `scaling * lora_B.bias` (PEFT's lora_bias). A base bias of the projection is not
   scaled by DoRA, so `(1 - scale) * base_bias` is added back;
 - the vocabulary ends (`VocabParts`): LoRA on the embedding lookup and on lm_head, full
-  per-adapter copies of either (modules_to_save), and replaced rows (trainable tokens).
+  per-adapter copies of either (modules_to_save), and replaced rows (trainable tokens);
+- LoRA on the experts of a mixture-of-experts layer (`ExpertLora`, lora/expert_lora.py),
+  applied inside the layer's grouped expert GEMM on the adapter's rows.
 
 Base rows and other adapters' rows are never touched.
 """
@@ -21,6 +23,8 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
+
+from loraserve.lora.expert_lora import ExpertLora
 
 
 @dataclass(frozen=True)
@@ -107,10 +111,12 @@ class AdapterExtras:
 
     epilogues: tuple[dict[str, ColumnEpilogue], ...] = ()  # per layer: group -> epilogue
     vocab: VocabParts | None = None
+    experts: tuple[ExpertLora | None, ...] = ()  # per layer; () = no expert LoRA
 
     @property
     def nbytes(self) -> int:
         n = sum(e.nbytes for per_layer in self.epilogues for e in per_layer.values())
+        n += sum(e.nbytes for e in self.experts if e is not None)
         return n + (self.vocab.nbytes if self.vocab is not None else 0)
 
 

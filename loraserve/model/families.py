@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraserve.config import ModelConfig, RopeScaling
+from loraserve.model.families_moe import moe_fields, olmoe_checks
 from loraserve.model.rope import rope_scaling_from_hf
 
 
@@ -99,6 +100,36 @@ def _olmo2(c: dict, where: str) -> dict:
                 qk_norm_full=True)
 
 
+def _qwen2_moe(c: dict, where: str) -> dict:
+    return dict(qkv_bias=bool(c.get("qkv_bias", True)),
+                **_windows(c, where, _sliding_layers(c, where)),
+                **moe_fields(c, where, experts_key="num_experts",
+                             inter_key="moe_intermediate_size", shared=True))
+
+
+def _qwen3_moe(c: dict, where: str) -> dict:
+    bias = bool(c.get("attention_bias"))
+    # one window on every layer whenever sliding_window is set, as its attention masks
+    return dict(qkv_bias=bias, o_bias=bias, qk_norm=True, **_windows(c, where, _every_layer(c)),
+                **moe_fields(c, where, experts_key="num_experts",
+                             inter_key="moe_intermediate_size"))
+
+
+def _olmoe(c: dict, where: str) -> dict:
+    olmoe_checks(c, where)
+    bias = bool(c.get("attention_bias"))
+    # q/k norms over all heads (as OLMo 2), but the usual pre-norms
+    return dict(qkv_bias=bias, o_bias=bias, qk_norm_full=True,
+                **moe_fields(c, where, experts_key="num_experts",
+                             inter_key="intermediate_size"))
+
+
+def _mixtral(c: dict, where: str) -> dict:
+    return dict(**_windows(c, where, _every_layer(c)), routing_fp32=True,
+                **moe_fields(c, where, experts_key="num_local_experts",
+                             inter_key="intermediate_size", always_norm=True))
+
+
 def _positive(c: dict, key: str, where: str, optional: bool = False) -> float:
     v = c.get(key)
     if optional and v is None:
@@ -152,18 +183,21 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family(("Phi3ForCausalLM",), _phi3),
     "granite": Family(("GraniteForCausalLM",), _granite),
     "olmo2": Family(("Olmo2ForCausalLM",), _olmo2),
+    "qwen2_moe": Family(("Qwen2MoeForCausalLM",), _qwen2_moe),
+    "qwen3_moe": Family(("Qwen3MoeForCausalLM",), _qwen3_moe),
+    "olmoe": Family(("OlmoeForCausalLM",), _olmoe),
+    "mixtral": Family(("MixtralForCausalLM",), _mixtral),
 }
 SUPPORTED = ("Llama, Mistral, Qwen2/2.5, Qwen3, SmolLM3, Gemma 1-3 (text), Phi-3, Granite, "
-             "OLMo 2 (and Llama-shaped ones: SmolLM2, ...)")
+             "OLMo 2, and the mixture-of-experts Qwen2-MoE, Qwen3-MoE, OLMoE, Mixtral (and "
+             "Llama-shaped ones: SmolLM2, ...)")
 
 # Families users ask for that we know we do not compute, with the reason.
 _REFUSED = {
     "gemma3": "the multimodal Gemma 3 (serve a text-only Gemma3ForCausalLM checkpoint)",
     "phi": "not a Llama-family decoder",
     "olmo": "its non-parametric layer norms and qkv clipping",
-    "mixtral": "mixture of experts",
-    "qwen2_moe": "mixture of experts",
-    "qwen3_moe": "mixture of experts",
+    "gpt_oss": "gpt-oss's attention sinks, router bias and clamped SwiGLU experts",
     "gpt2": "not a Llama-family decoder",
 }
 # The gated MLP's activations we compute (llama.py), by transformers' name.

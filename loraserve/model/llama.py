@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama, Mistral, Qwen2/3, SmolLM2/3, Gemma 1-3, Phi-3, Granite,
-OLMo 2) for a flat token batch.
+OLMo 2, and with experts (model/moe.py) Qwen2/3-MoE, OLMoE, Mixtral) for a flat token batch.
 
 What differs between those families is data, not code paths: biases live in the `Linear`s,
 rope scaling in the cos/sin tables, norm offsets and embedding scales are folded into the
@@ -27,13 +27,15 @@ from loraserve.config import ModelConfig, RopeScaling
 from loraserve.model.attention import AttentionBackend
 from loraserve.model.layers import RotaryEmbedding, rms_norm
 from loraserve.model.linear import Linear
+from loraserve.model.moe import ExpertLoraHook, MoeWeights, moe_forward, shared_gate
 from loraserve.model.rope import inv_freq
 from loraserve.ops.elementwise import add_rms_norm_, silu_mul
 
 
-class LoraHook(Protocol):
+class LoraHook(ExpertLoraHook, Protocol):
     """Adds LoRA deltas for the module group of one layer: `project` returns `linear(x)` with
-    them added (fused into the GEMM where the backend can); calling it adds them to y.
+    them added (fused into the GEMM where the backend can); calling it adds them to y;
+    `expert_runs` places expert LoRA inside a mixture-of-experts layer (model/moe.py).
     `embed` and `head` are the embedding lookup and the output layer with the adapters' parts
     there (embedding/lm_head LoRA, their own copies, trainable tokens) on their rows."""
 
@@ -57,8 +59,9 @@ class LayerWeights:
     qkv: Linear  # d -> q + 2*kv   fused q_proj, k_proj, v_proj
     o: Linear  # q -> d
     post_norm: torch.Tensor | None  # [d] before the MLP; None: the MLP reads h (OLMo 2)
-    gate_up: Linear  # d -> 2*inter  fused gate_proj, up_proj
-    down: Linear  # inter -> d
+    # d -> 2*inter fused gate_proj, up_proj; inter -> d. None: no dense MLP (experts only)
+    gate_up: Linear | None
+    down: Linear | None
     # [nh + kvh, hd]: q_norm's weight once per q head, then k_norm's per kv head (Qwen3)
     qk_norm: torch.Tensor | None = None
     # ([q], [kv]): RMSNorm weights over the whole q and k projections (OLMo 2)
@@ -67,6 +70,7 @@ class LayerWeights:
     mlp_out_norm: torch.Tensor | None = None  # [d] on down's output
     rope: int | None = 0  # which of the model's rope tables; None: NoPE (SmolLM3)
     window: int = 0  # sliding window of this layer's attention; 0: the whole context
+    moe: MoeWeights | None = None  # routed experts; the dense MLP is then the shared expert
 
 
 _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
@@ -147,9 +151,10 @@ class LlamaModel:
             if w.attn_out_norm is not None:
                 o = rms_norm(o, w.attn_out_norm, eps)
             x = add_rms_norm_(h, o, res, w.post_norm, eps)
-            gu = w.gate_up(x) if lora is None else lora.project(li, "gate_up", x, w.gate_up)
-            m = self.act_mul(gu, self.inter)  # [T, inter]
-            d = w.down(m) if lora is None else lora.project(li, "down", m, w.down)
+            d = None if w.gate_up is None else self._mlp(li, w, x, lora)
+            if w.moe is not None:
+                routed = moe_forward(x, w.moe, self.act_mul, li, lora)
+                d = routed if d is None else routed + shared_gate(x, w.moe) * d
             if w.mlp_out_norm is not None:
                 d = rms_norm(d, w.mlp_out_norm, eps)
             nxt = self.layers[li + 1].input_norm if li + 1 < len(self.layers) else None
@@ -161,3 +166,10 @@ class LlamaModel:
         if c.final_softcap:
             logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
         return logits
+
+    def _mlp(self, li: int, w: LayerWeights, x: torch.Tensor, lora: LoraHook | None
+             ) -> torch.Tensor:
+        """The dense gated MLP (a shared expert in a mixture-of-experts layer)."""
+        gu = w.gate_up(x) if lora is None else lora.project(li, "gate_up", x, w.gate_up)
+        m = self.act_mul(gu, self.inter)  # [T, inter]
+        return w.down(m) if lora is None else lora.project(li, "down", m, w.down)

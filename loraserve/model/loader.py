@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from loraserve.model.families import read_model_config
 from loraserve.model.linear import BiasedLinear, Linear
 from loraserve.model.llama import LayerWeights, LlamaModel
+from loraserve.model.moe import MoeWeights
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -64,12 +65,29 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
 
     proj = (["qkv_proj"], ["gate_up_proj"]) if c.fused_modules else (
         ["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"])
+    # expert checkpoints name the expert linears (and, for Mixtral, the block) their own way
+    moe_block, expert_names = ("block_sparse_moe", ("w1", "w3", "w2")) \
+        if c.architecture == "MixtralForCausalLM" else ("mlp", ("gate_proj", "up_proj",
+                                                                 "down_proj"))
+
+    def experts(p: str) -> MoeWeights:
+        """The layer's experts: per expert gate over up [2 * inter, d], and down [d, inter]."""
+        m = p + moe_block + "."
+        g, u, d = ([take(f"{m}experts.{e}.{n}.weight") for e in range(c.num_experts)]
+                   for n in expert_names)
+        gate_up = [Linear(torch.cat(pair)) for pair in zip(g, u, strict=True)]
+        return MoeWeights(router=take(m + "gate.weight").contiguous(), gate_up=gate_up,
+                          down=[Linear(w) for w in d], top_k=c.num_experts_per_tok,
+                          norm_topk=c.norm_topk_prob, routing_fp32=c.routing_fp32,
+                          shared_gate=take(m + "shared_expert_gate.weight").contiguous()
+                          if c.shared_expert else None)
     layers = []
     # a bar in a terminal (packing a large model's projections takes a while), none in logs
     for i in tqdm(range(c.num_hidden_layers), desc="loading weights", unit="layer",
                   disable=None, leave=False):
         p = f"model.layers.{i}."
-        a, m = p + "self_attn.", p + "mlp."
+        a = p + "self_attn."
+        m = p + ("mlp.shared_expert." if c.shared_expert else "mlp.")
         qk_norm = qk_full_norm = None
         if c.qk_norm:  # one weight row per head: q heads first, then kv heads (see llama.py)
             qk_norm = torch.cat([norm(a + "q_norm.weight").expand(c.num_attention_heads, -1),
@@ -87,14 +105,15 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
                 qkv=linear([a + n for n in proj[0]], c.qkv_bias),
                 o=linear([a + "o_proj"], c.o_bias),
                 post_norm=norm(p + pre_mlp + ".weight") if c.pre_norms else None,
-                gate_up=linear([m + n for n in proj[1]], c.mlp_bias),
-                down=linear([m + "down_proj"], c.mlp_bias),
+                gate_up=linear([m + n for n in proj[1]], c.mlp_bias) if c.dense_mlp else None,
+                down=linear([m + "down_proj"], c.mlp_bias) if c.dense_mlp else None,
                 qk_norm=qk_norm,
                 qk_full_norm=qk_full_norm,
                 attn_out_norm=norm(p + "post_attention_layernorm.weight") if out_norms else None,
                 mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if out_norms else None,
                 rope=None if i in c.nope_layers else int(i in c.local_rope_layers),
                 window=c.layer_windows[i] if c.layer_windows else 0,
+                moe=experts(p) if c.num_experts else None,
             )
         )
     embed = take("model.embed_tokens.weight").contiguous()

@@ -19,10 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # model_type -> (extra config fields, what the error must name)
 REFUSED_FAMILIES = {
-    "qwen2_moe": (dict(num_experts=2, moe_intermediate_size=32,
-                       shared_expert_intermediate_size=32), "Qwen2MoeForCausalLM"),
-    "mixtral": (dict(num_local_experts=2), "MixtralForCausalLM"),
-    "qwen3_moe": (dict(num_experts=2, moe_intermediate_size=32), "Qwen3MoeForCausalLM"),
+    "gpt_oss": (dict(num_local_experts=2, num_experts_per_tok=1, head_dim=16),
+                "GptOssForCausalLM"),
     "gpt2": ({}, "GPT2LMHeadModel"),
 }
 
@@ -36,6 +34,9 @@ REFUSED_FIELDS = {
         full_attention=dict(rope_type="default", rope_theta=1e6),
         sliding_attention=dict(rope_type="linear", factor=2.0, rope_theta=1e4))),
         "sliding_attention"),
+    "qwen2-moe-dense-layers": ("qwen2_moe", dict(num_experts=2, num_experts_per_tok=1,
+                                                  moe_intermediate_size=32,
+                                                  mlp_only_layers=[0]), "mlp_only_layers"),
     "granite-zero-multiplier": ("granite", dict(residual_multiplier=0.0),
                                 "residual_multiplier"),
     "partial-rotary": ("llama", dict(rope_parameters=dict(rope_type="default",
@@ -109,13 +110,13 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_cli_refuses_a_family_in_one_line(command, refused_dirs):
-    model = str(refused_dirs["mixtral"])
+    model = str(refused_dirs["gpt_oss"])
     extra = ["--prompt", "hi", "--max-tokens", "1"] if command == "generate" else ["--port", "0"]
     r = run_cli(command, "--model", model, *extra)
     assert r.returncode == 2, r.stderr
     # serve logs its start-up steps before it gets to the model; the refusal is one line
     lines = [ln for ln in r.stderr.strip().splitlines() if " INFO loraserve." not in ln]
-    assert len(lines) == 1 and "MixtralForCausalLM" in lines[0] and "Traceback" not in r.stderr
+    assert len(lines) == 1 and "GptOssForCausalLM" in lines[0] and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("raw, named", [

@@ -55,7 +55,7 @@ def check_config_shape(cfg: object, path: object) -> None:
 def count_patterns(cfg: dict) -> int:
     """Entries that are matched against module names, as PEFT would."""
     n = 0
-    for key in ("target_modules", "exclude_modules", "layers_pattern"):
+    for key in ("target_modules", "exclude_modules", "layers_pattern", "target_parameters"):
         v = cfg.get(key)
         n += len(v) if isinstance(v, list) else int(v is not None)
     for key in ("rank_pattern", "alpha_pattern"):
@@ -68,5 +68,5 @@ def check_pattern_count(cfg: dict, path: object) -> None:
     if (n := count_patterns(cfg)) > MAX_PATTERNS:
         raise AdapterFormatError(
             f"adapter {path}: adapter_config.json has {n} module patterns (target_modules, "
-            f"exclude_modules, rank_pattern, alpha_pattern); the per-load bound is "
-            f"{MAX_PATTERNS}")
+            f"target_parameters, exclude_modules, rank_pattern, alpha_pattern); the per-load "
+            f"bound is {MAX_PATTERNS}")

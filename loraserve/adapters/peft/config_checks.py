@@ -15,7 +15,7 @@ from loraserve.types import AdapterFormatError
 # Config switches that change the math or add weights beyond what we serve.
 _UNSUPPORTED_FLAGS = {
     "use_qalora": "QALoRA", "alora_invocation_tokens": "activated LoRA",
-    "layer_replication": "layer_replication", "target_parameters": "target_parameters",
+    "layer_replication": "layer_replication",
     "velora_config": "VeLoRA", "monteclora_config": "MonteCLoRA", "use_bdlora": "BD-LoRA",
     "arrow_config": "Arrow routing", "kasa_config": "KaSA",
 }
@@ -56,8 +56,11 @@ def validate_config(cfg: dict, path: object) -> None:
     if cfg.get("bias", "none") != "none":
         raise _fail(path, f"bias={cfg['bias']!r} is not supported yet (only 'none')")
     check_pattern_count(cfg, path)
-    tm = cfg.get("target_modules")
-    _check_patterns(tm, "target_modules", path, list_ok=bool(tm))
+    tm, tp = cfg.get("target_modules"), cfg.get("target_parameters")
+    if tp is not None and not (isinstance(tp, list) and all(isinstance(t, str) for t in tp)):
+        raise _fail(path, f"target_parameters must be a list of strings, got {str(tp)[:80]!r}")
+    if not (tp and tm in (None, [])):  # target_parameters alone is a valid PEFT config
+        _check_patterns(tm, "target_modules", path, list_ok=bool(tm))
     _check_patterns(cfg.get("exclude_modules"), "exclude_modules", path, none_ok=True)
     _check_patterns(cfg.get("layers_pattern"), "layers_pattern", path, none_ok=True)
     for name, what in (("rank_pattern", "a positive integer"), ("alpha_pattern", "a number")):

@@ -47,13 +47,16 @@ def read_limited(file: Path, max_bytes: int, path: object, what: str) -> bytes:
 
 
 def max_weights_bytes(model_config: ModelConfig, max_lora_rank: int) -> int:
-    """The largest weights file an acceptable adapter can need: every module of every layer
-    at max_lora_rank in float64, with its bias and magnitude vectors, LoRA on the embedding
-    and lm_head, and four [V, d] tables (each end's copy and the base weight PEFT saves next
-    to a targeted embedding), plus room for the header."""
+    """The largest weights file an acceptable adapter can need: every module (and expert) of
+    every layer at max_lora_rank in float64, with its bias and magnitude vectors, LoRA on the
+    embedding and lm_head, and four [V, d] tables (each end's copy and the base weight PEFT
+    saves next to a targeted embedding), plus room for the header."""
     mc = model_config
     per_rank = sum(sum(mc.module_shape(m)) for m in LORA_MODULES)
     vectors = 2 * sum(mc.module_shape(m)[0] for m in LORA_MODULES)
+    # each expert's gate, up and down: A and B at max_lora_rank (per module, v4's form, is
+    # the larger of the two forms peft/expert_targets.py reads)
+    per_rank += mc.num_experts * 3 * (mc.moe_intermediate_size + mc.hidden_size)
     vocab = mc.vocab_size + mc.hidden_size
     return ((per_rank * max_lora_rank + vectors) * mc.num_hidden_layers
             + 2 * vocab * max_lora_rank + 4 * mc.vocab_size * mc.hidden_size) * 8 + (1 << 20)
@@ -66,8 +69,11 @@ VOCAB_END_TENSORS = 16
 def max_tensors(model_config: ModelConfig) -> int:
     """A bound on the header's entries, before any is looked at: an A and a B per LoRA module
     of every layer, four times over (room for lora_bias and DoRA's magnitude), plus the
-    vocabulary ends' parts (stray tensors are then refused by name)."""
-    return 4 * 2 * len(LORA_MODULES) * model_config.num_hidden_layers + VOCAB_END_TENSORS
+    vocabulary ends' parts (stray tensors are then refused by name); an A and a B per expert
+    weight, or per expert module (peft/expert_targets.py)."""
+    experts = model_config.num_experts
+    per_layer = 4 * 2 * len(LORA_MODULES) + (2 * 2 + 2 * 3 * experts if experts else 0)
+    return per_layer * model_config.num_hidden_layers + VOCAB_END_TENSORS
 
 
 def open_safetensors(file: Path, path: object, max_bytes: int,

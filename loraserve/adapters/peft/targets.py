@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from loraserve.adapters.peft.budget import LoadBudget, check_pattern_count
+from loraserve.adapters.peft.expert_targets import per_expert_names, resolve_expert_targets
 from loraserve.adapters.peft.linear_regex import PatternRefused, compile_linear
 from loraserve.config import ATTN_MODULES, LORA_MODULES, ModelConfig
 from loraserve.types import AdapterFormatError
@@ -35,19 +36,23 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def parent_of(module: str) -> str:
-    return "self_attn" if module in ATTN_MODULES or module == "qkv_proj" else "mlp"
+def parent_of(module: str, mc: ModelConfig | None = None) -> str:
+    if module in ATTN_MODULES or module == "qkv_proj":
+        return "self_attn"
+    # a mixture-of-experts layer's dense MLP is its shared expert (Qwen2-MoE)
+    return "mlp.shared_expert" if mc is not None and mc.shared_expert else "mlp"
 
 
 def peft_modules(mc: ModelConfig) -> tuple[str, ...]:
-    """The LoRA-targetable linears of one layer, as the checkpoint (and PEFT) names them."""
+    """The LoRA-targetable linears of one layer, as the checkpoint (and PEFT) names them;
+    the experts' fused weights are PEFT parameters, not modules (peft/expert_targets.py)."""
     if mc.fused_modules:
         return ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-    return LORA_MODULES
+    return LORA_MODULES if mc.dense_mlp else ATTN_MODULES
 
 
-def full_name(layer: int, module: str) -> str:
-    return f"model.layers.{layer}.{parent_of(module)}.{module}"
+def full_name(layer: int, module: str, mc: ModelConfig | None = None) -> str:
+    return f"model.layers.{layer}.{parent_of(module, mc)}.{module}"
 
 
 def _model_module_names(mc: ModelConfig) -> list[str]:
@@ -58,8 +63,13 @@ def _model_module_names(mc: ModelConfig) -> list[str]:
         pre = f"model.layers.{i}"
         names += [pre, f"{pre}.self_attn", f"{pre}.mlp", f"{pre}.mlp.act_fn"]
         names += [f"{pre}.input_layernorm", f"{pre}.post_attention_layernorm"]
-        names += [full_name(i, m) for m in peft_modules(mc)]
-    return names
+        names += [full_name(i, m, mc) for m in peft_modules(mc)]
+        if mc.num_experts:  # and transformers v4's (per_expert_names)
+            names += [f"{pre}.mlp.gate", f"{pre}.mlp.experts",
+                      f"{pre}.block_sparse_moe.gate"]
+        if mc.shared_expert:
+            names += [f"{pre}.mlp.shared_expert", f"{pre}.mlp.shared_expert_gate"]
+    return names + list(per_expert_names(mc).values())
 
 
 def _suffix_match(targets, key: str) -> bool:
@@ -114,6 +124,8 @@ def compile_patterns(cfg: dict, path: object, budget: LoadBudget | None = None) 
 def is_targeted(cfg: dict, pats: ConfigPatterns, key: str) -> bool:
     """peft.tuners.tuners_utils.check_target_module_exists for a LoRA config."""
     ex = cfg.get("exclude_modules")
+    if not cfg.get("target_modules"):  # target_parameters alone (peft/expert_targets.py)
+        return False
     if ex and (pats.exclude.fullmatch(key) if isinstance(ex, str) else _suffix_match(ex, key)):
         return False
     tm = cfg["target_modules"]
@@ -154,9 +166,14 @@ def resolve_targets(
     budget = budget or LoadBudget()
     names = _model_module_names(mc)
     modules = peft_modules(mc)
-    lora_names = {full_name(i, m) for i in range(mc.num_hidden_layers) for m in modules}
+    lora_names = {full_name(i, m, mc) for i in range(mc.num_hidden_layers) for m in modules}
     lora_names |= set(VOCAB_MODULES)  # LoRA on the embedding and lm_head: lora/extras.py
-    tm = cfg["target_modules"]
+    experts = per_expert_names(mc)
+    lora_names |= set(experts.values())
+    tm = cfg.get("target_modules") or []
+    if tm == "all-linear" and mc.num_experts:
+        raise _fail(path, "target_modules 'all-linear' is not supported on a mixture-of-experts "
+                          "model (name the modules, and the experts in target_parameters)")
     if tm == "all-linear":  # PEFT's shorthand: every linear but the output layer
         cfg = {**cfg, "target_modules": list(modules)}
     pats = compile_patterns(cfg, path, budget)
@@ -182,7 +199,7 @@ def resolve_targets(
     plan = {}
     for i in range(mc.num_hidden_layers):
         for m in modules:
-            key = full_name(i, m)
+            key = full_name(i, m, mc)
             budget.check(path, "matching rank_pattern and alpha_pattern")
             if is_targeted(cfg, pats, key):
                 plan[(i, m)] = _rank_scale(cfg, pats, key, path, max_lora_rank)
@@ -192,6 +209,12 @@ def resolve_targets(
             if cfg.get("use_dora"):
                 raise _fail(path, f"DoRA on {name} is not supported yet")
             plan[name] = _rank_scale(cfg, pats, key, path, max_lora_rank)
+    for target, key in experts.items():
+        budget.check(path, "matching the experts")
+        if is_targeted(cfg, pats, key):
+            plan[target] = _rank_scale(cfg, pats, key, path, max_lora_rank)
+    plan.update(resolve_expert_targets(
+        cfg, mc, path, lambda key: _rank_scale(cfg, pats, key, path, max_lora_rank)))
     if not plan and not cfg.get("modules_to_save") and not cfg.get("trainable_token_indices"):
         raise _fail(path, "adapter_config targets no module of this model")
     return plan

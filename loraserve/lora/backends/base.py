@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import torch
 
 from loraserve.lora.batch import LoraBatch, SlotWeights
+from loraserve.lora.expert_lora import ExpertLora, expert_runs
 from loraserve.lora.extras import (
     ExtraSegment,
     apply_epilogues,
@@ -123,6 +124,14 @@ class LoraStep:
         if self.plan.extras:
             apply_epilogues(self.plan.extras, layer, group, y, linear)
         return y
+
+    def expert_runs(self, layer: int, token_of_row: torch.Tensor, bounds: Sequence[int]
+                    ) -> list[list[tuple[int, int, ExpertLora]]] | None:
+        """Where each adapter's expert LoRA of `layer` applies in its expert-sorted rows
+        (model/moe.py); None when no adapter of the step has any there."""
+        segs = [(a, b, ext.experts[layer]) for _, a, b, ext in self.plan.extras
+                if ext.experts and ext.experts[layer] is not None and b > a]
+        return expert_runs(segs, token_of_row, bounds) if segs else None
 
     def embed(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """The embedding lookup of ids [T] in table [V, d], with adapters' vocabulary parts."""
