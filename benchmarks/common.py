@@ -143,6 +143,18 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def _die_with_parent() -> None:
+    """Runs in the child before exec: the kernel sends it SIGTERM when the benchmark dies, so a
+    benchmark killed mid-run leaves no server behind holding a port and the CPU (Linux only)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 class Server:
     """`loraserve serve` in a subprocess on a free loopback port (log in a temp file)."""
 
@@ -158,7 +170,7 @@ class Server:
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "loraserve.cli", "serve", "--port", str(self.port), *args],
-            stdout=self._log, stderr=subprocess.STDOUT)
+            stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
 
     def __enter__(self) -> Server:
         import httpx
