@@ -90,13 +90,20 @@ def test_moe_triton_backend_interpreted(family, tmp_path_factory):
     _check(tmp_path_factory, family, "triton", first_only=True)
 
 
-def _check(tmp_path_factory, family: str, backend: str, first_only: bool = False) -> None:
+def test_moe_adapters_taking_turns_in_one_slot(tmp_path_factory):
+    # tiered memory, two slots for three adapters (one per batch beside base rows): each
+    # adapter's expert LoRA replaces the one before it in its slot
+    _check(tmp_path_factory, "qwen2_moe", "cpu", lora_memory="tiered", max_loras_per_batch=2)
+
+
+def _check(tmp_path_factory, family: str, backend: str, first_only: bool = False,
+           **knobs) -> None:
     base_dir, paths, prompts, refs = build_family(tmp_path_factory.getbasetemp() / "moe",
                                                   family)
     if first_only:
         prompts = {g: ps[:1] for g, ps in prompts.items()}
     llm = LLM(str(base_dir), lora_paths=paths, max_num_batched_tokens=16,
-              lora_backend=backend)
+              lora_backend=backend, **knobs)
     assert llm.engine.info.lora_backend == backend
     keys = [(g, i) for g, ps in prompts.items() for i in range(len(ps))]
     random.Random(0).shuffle(keys)  # adapters and base interleaved in the batch
