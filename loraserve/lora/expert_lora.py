@@ -26,7 +26,10 @@ class ExpertLora:
         if ab is None or x.shape[0] == 0:
             return
         a, b = ab[0][expert], ab[1][expert]
-        y += ((x.to(a.dtype) @ a.T) @ b.T).to(y.dtype)
+        if y.dtype == a.dtype:  # the expand accumulates into y: one op, no temporary
+            y.addmm_(x @ a.T, b.T)
+        else:
+            y += ((x.to(a.dtype) @ a.T) @ b.T).to(y.dtype)
 
     @property
     def nbytes(self) -> int:

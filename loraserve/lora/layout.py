@@ -78,9 +78,13 @@ def a_tiles(r: int, d_in: int, width: int = RANK_TILE) -> tuple[tuple[int, int, 
 
 
 def group_layouts(cfg: ModelConfig) -> dict[str, GroupLayout]:
+    """Every group; those the model lacks (the MLP of a mixture of experts without a shared
+    expert) are zero wide, so their slot buffers take no memory and no adapter targets them."""
     out = {}
     for name, mods in GROUPS.items():
         shapes = [cfg.module_shape(m) for m in mods]
+        if not cfg.dense_mlp and name in ("gate_up", "down"):
+            shapes = [(0, 0)] * len(mods)
         d_ins = {d_in for _, d_in in shapes}
         if len(d_ins) != 1:  # cannot happen for the Llama family; guards a future model
             raise ValueError(f"modules of group {name} have different inputs: {d_ins}")

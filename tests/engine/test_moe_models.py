@@ -4,7 +4,7 @@ Each family saves a tiny random checkpoint with transformers' own config class (
 top-2; the router random, so routing is decided by the weights), PEFT adapters over it (LoRA
 on every expert through target_parameters, on attention, and on Qwen2-MoE's shared expert),
 and serves base and adapter prompts mixed in ONE `generate` call with chunked prefill, on
-both CPU LoRA backends (and the triton one, interpreted, on Qwen2-MoE). The reference is a
+both CPU LoRA backends (and the triton one, interpreted). The reference is a
 plain argmax loop over the HF model (a PeftModel for adapter rows; PEFT's ParamWrapper cannot
 mix adapters in a batch, so one at a time).
 """
@@ -83,19 +83,27 @@ def test_moe_mixed_batch_equals_transformers_and_peft(family, backend, tmp_path_
     _check(tmp_path_factory, family, backend)
 
 
-def test_moe_triton_backend_interpreted(tmp_path_factory):
-    # Triton's interpreter is slow: the shortest prompt of each group; the shared expert's
-    # LoRA runs in the triton kernels, the experts' in torch beside them
-    _check(tmp_path_factory, "qwen2_moe", "triton", first_only=True)
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_moe_triton_backend_interpreted(family, tmp_path_factory):
+    # Triton's interpreter is slow: the shortest prompt of each group; attention's and the
+    # shared expert's LoRA run in the triton kernels, the experts' in torch beside them
+    _check(tmp_path_factory, family, "triton", first_only=True)
 
 
-def _check(tmp_path_factory, family: str, backend: str, first_only: bool = False) -> None:
+def test_moe_adapters_taking_turns_in_one_slot(tmp_path_factory):
+    # tiered memory, two slots for three adapters (one per batch beside base rows): each
+    # adapter's expert LoRA replaces the one before it in its slot
+    _check(tmp_path_factory, "qwen2_moe", "cpu", lora_memory="tiered", max_loras_per_batch=2)
+
+
+def _check(tmp_path_factory, family: str, backend: str, first_only: bool = False,
+           **knobs) -> None:
     base_dir, paths, prompts, refs = build_family(tmp_path_factory.getbasetemp() / "moe",
                                                   family)
     if first_only:
         prompts = {g: ps[:1] for g, ps in prompts.items()}
     llm = LLM(str(base_dir), lora_paths=paths, max_num_batched_tokens=16,
-              lora_backend=backend)
+              lora_backend=backend, **knobs)
     assert llm.engine.info.lora_backend == backend
     keys = [(g, i) for g, ps in prompts.items() for i in range(len(ps))]
     random.Random(0).shuffle(keys)  # adapters and base interleaved in the batch
@@ -124,3 +132,5 @@ def test_expert_lora_counts_in_adapter_memory(tmp_path_factory):
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1), lora=["experts"])
     pool = llm.engine.slot_pool
     assert [e.nbytes for e in pool.extras if e is not None] == [expert_bytes]
+    # no dense MLP in Mixtral: its slots hold nothing for gate/up/down
+    assert all(layer[g].numel() == 0 for layer in pool.A + pool.B for g in ("gate_up", "down"))

@@ -93,3 +93,28 @@ def test_peft_loads_them(model_dir, tmp_path):
     assert not torch.allclose(lora_logits, base_logits)  # the adapter does something...
     rel = (lora_logits - base_logits).norm() / base_logits.norm()
     assert rel < 1.0  # ...but stays a perturbation
+
+
+@pytest.mark.parametrize("model_type, fields", [
+    ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=24)),
+    ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+])
+def test_mixture_of_experts_adapters_load(model_type, fields, tmp_path):
+    # attention, the shared expert where there is one, and every expert by target_parameters
+    from transformers import AutoConfig
+
+    from loraserve.adapters.format import read_adapter
+    from loraserve.model.families import model_config_from_hf
+
+    cfg = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=40,
+                               num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=64, **fields).to_dict()
+    mc = model_config_from_hf(cfg)
+    (path,) = make_synthetic_adapters(cfg, tmp_path, 1, ranks=[4])
+    conf = json.loads((path / "adapter_config.json").read_text())
+    assert conf["target_parameters"] == ["experts.gate_up_proj", "experts.down_proj"]
+    w = read_adapter(path, mc, max_lora_rank=8)
+    assert all(e is not None and set(e.parts) == {"gate_up", "down"} for e in w.experts)
+    shared = {"gate_proj", "up_proj", "down_proj"} if mc.shared_expert else set()
+    assert w.target_modules == {"q_proj", "k_proj", "v_proj", "o_proj"} | shared
