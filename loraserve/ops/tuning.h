@@ -41,6 +41,20 @@
  * when it has more than one: into L1, where its K loop reads it next (gemm_shapes.py) */
 #define GEMM_NEXT_PANEL_HINT PF_L1
 
+/* ---- Quantized-weight GEMM (ops/qgemm_cpu.c) --------------------------------------------- */
+
+/* rows of x per weight row pass: a weight group is unpacked once for this many rows, and
+ * their accumulators, the group's weights and its scales fit the registers of either ISA
+ * (memory_floor.py prefill) */
+#define QGEMM_TILE_ROWS 4
+/* KB of quantized x rows per block: the block stays in L2 while every weight row passes
+ * over it (memory_floor.py prefill) */
+#ifndef QGEMM_XBLOCK
+#define QGEMM_XBLOCK 256
+#endif
+/* M * N * K below which a product runs on one thread, as GEMM_PARALLEL_MIN */
+#define QGEMM_PARALLEL_MIN (1 << 18)
+
 /* ---- The fused decode op's fetch streams (lora/fused_tile.h) ----------------------------- */
 
 /* A stream fetches one line every FETCH_STRIDE k steps, or every FETCH_STRIDE / 2, or every

@@ -1,0 +1,187 @@
+/* y[M, N] = x[M, K] @ W[N, K]^T with W quantized (weight-only), x float32: the base projections
+ * of a model served with 8-bit or 4-bit weights (ops/quant.py packs them; ops/qblock.h says
+ * how groups, dot order and activations are laid out).
+ *
+ * Formats (QK_*), each a group of 64 as two blocks of 32 along K:
+ *   Q8_ROW    8-bit signed, one float32 scale per output row (int8 per channel)
+ *   Q8_F16    8-bit signed, a float16 scale per block (GGUF Q8_0)
+ *   Q4_F16    4-bit, w = d * (q - 8), float16 d per block (GGUF Q4_0; int4)
+ *   Q4_AFF16  4-bit, w = d * q + m, float16 d and m per block (GGUF Q4_1)
+ *   Q4_AFF32  4-bit, w = d * q + m, float32 d and m per block (GGUF Q4_K's sub-blocks, whose
+ *             d * scale products float16 cannot hold exactly)
+ *
+ * The activations are quantized once per call into `work` (qgemm_work_bytes), then threads
+ * split the output columns: each takes one weight row at a time through QGEMM_TILE_ROWS rows
+ * of x at once, so a weight group is unpacked once per tile, and a block of QGEMM_XBLOCK rows
+ * of x stays in L2 while every weight row passes over it. A batch of one reads each weight
+ * once, as one stream per thread.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "qblock.h"
+#include "tuning.h"
+
+enum { QK_Q8_ROW = 0, QK_Q8_F16 = 1, QK_Q4_F16 = 2, QK_Q4_AFF16 = 3, QK_Q4_AFF32 = 4 };
+
+int qgemm_isa(void) { return QGEMM_ISA; }
+
+#if QGEMM_ISA
+/* One row of quantized activations in `work`: xq [K] in dot order, xd [K/32] block scales,
+ * lsum [G][QLANES] (-offset * lane sums), xs [G][QLANES] (lane sums * block scale). */
+typedef struct {
+    const int8_t *xq;
+    const float *xd;
+    const int32_t *lsum;
+    const float *xs;
+} qact;
+
+static int64_t row_bytes(int64_t K) {
+    const int64_t G = K / 64;
+    return (K + 4 * (K / 32) + 8 * G * QLANES + 63) & ~(int64_t)63;
+}
+
+static qact act_row(uint8_t *work, int64_t K, int64_t r) {
+    uint8_t *p = work + r * row_bytes(K);
+    const int64_t G = K / 64;
+    const qact a = {(const int8_t *)p, (const float *)(p + K),
+                    (const int32_t *)(p + K + 4 * (K / 32)),
+                    (const float *)(p + K + 4 * (K / 32) + 4 * G * QLANES)};
+    return a;
+}
+
+static int weight_bits(int kind) { return kind <= QK_Q8_F16 ? 8 : 4; }
+
+static int32_t weight_offset(int kind) {
+    return weight_bits(kind) == 8 ? Q8_OFFSET : kind == QK_Q4_F16 ? 8 : 0;
+}
+
+/* one row of x into its quantized form, for weights of `kind` */
+static void quantize_row(const float *x, int64_t K, int kind, qact a) {
+    int8_t *xq = (int8_t *)a.xq;
+    float *xd = (float *)a.xd, *xs = (float *)a.xs;
+    int32_t *lsum = (int32_t *)a.lsum;
+    const int32_t off = weight_offset(kind);
+    for (int64_t g = 0; g < K / 64; g++) {
+        const float *xg = x + 64 * g;
+        float inv[2];
+        for (int blk = 0; blk < 2; blk++) {
+            float amax = 0.f;
+            for (int e = 0; e < 32; e++) amax = fmaxf(amax, fabsf(xg[32 * blk + e]));
+            const float d = amax / 127.f;
+            xd[2 * g + blk] = d;
+            inv[blk] = d > 0.f ? 1.f / d : 0.f;
+        }
+        int32_t sums[16];
+        for (int l = 0; l < 16; l++) {
+            const int blk = l & 1;
+            int32_t s = 0;
+            for (int b = 0; b < 4; b++) {
+                const int8_t q = (int8_t)lrintf(xg[32 * blk + 4 * (l >> 1) + b] * inv[blk]);
+                xq[64 * g + 4 * l + b] = q;
+                s += q;
+            }
+            sums[l] = s;
+        }
+        for (int l = 0; l < QLANES; l++) {
+            const int32_t s = QLANES == 16 ? sums[l] : sums[l] + sums[l + 8];
+            lsum[g * QLANES + l] = -off * s;
+            xs[g * QLANES + l] = (float)s * xd[2 * g + (l & 1)];
+        }
+    }
+}
+
+/* MR rows of x (a[0..MR)) against weight row n: out[r] = x_r . w_n */
+SIMD_INLINE void tile(int kind, int MR, const qact *a, const uint8_t *qs, const void *d,
+                      const void *m, int64_t n, int64_t K, float *out) {
+    const int64_t G = K / 64, bits = weight_bits(kind);
+    const uint8_t *wq = qs + n * (bits == 8 ? K : K / 2);
+    const uint16_t *d16 = (const uint16_t *)d + n * (K / 32);
+    const uint16_t *m16 = (const uint16_t *)m + n * (K / 32);
+    const float *d32 = (const float *)d + n * (K / 32), *m32 = (const float *)m + n * (K / 32);
+    qvec acc[QGEMM_TILE_ROWS];
+    for (int r = 0; r < MR; r++) acc[r] = q_zero();
+    for (int64_t g = 0; g < G; g++) {
+        const qweights w = bits == 8 ? q8_weights(wq + 64 * g) : q4_weights(wq + 32 * g);
+        qvec ws = q_zero(), ms = q_zero();
+        if (kind == QK_Q8_F16 || kind == QK_Q4_F16 || kind == QK_Q4_AFF16)
+            ws = q_pair_f16(d16 + 2 * g);
+        if (kind == QK_Q4_AFF32) ws = q_pair_f32(d32 + 2 * g);
+        if (kind == QK_Q4_AFF16) ms = q_pair_f16(m16 + 2 * g);
+        if (kind == QK_Q4_AFF32) ms = q_pair_f32(m32 + 2 * g);
+        for (int r = 0; r < MR; r++) {
+            const qivec s = q_dot(qi_load(a[r].lsum + g * QLANES), w, a[r].xq + 64 * g, bits);
+            const qvec f = q_mul(q_cvt(s), q_pair_f32(a[r].xd + 2 * g));
+            acc[r] = kind == QK_Q8_ROW ? q_add(acc[r], f) : q_fma(f, ws, acc[r]);
+            if (kind == QK_Q4_AFF16 || kind == QK_Q4_AFF32)
+                acc[r] = q_fma(q_load(a[r].xs + g * QLANES), ms, acc[r]);
+        }
+    }
+    const float row_scale = kind == QK_Q8_ROW ? ((const float *)d)[n] : 1.f;
+    for (int r = 0; r < MR; r++) out[r] = q_hsum(acc[r]) * row_scale;
+}
+
+#define TILE_FOR(KIND)                                                                     \
+    case KIND:                                                                             \
+        switch (mr) {                                                                      \
+        case 1: tile(KIND, 1, a, qs, d, m, n, K, out); break;                              \
+        case 2: tile(KIND, 2, a, qs, d, m, n, K, out); break;                              \
+        case 3: tile(KIND, 3, a, qs, d, m, n, K, out); break;                              \
+        default: tile(KIND, 4, a, qs, d, m, n, K, out); break;                             \
+        }                                                                                  \
+        break;
+
+static void tile_any(int kind, int mr, const qact *a, const uint8_t *qs, const void *d,
+                     const void *m, int64_t n, int64_t K, float *out) {
+    switch (kind) {
+        TILE_FOR(QK_Q8_ROW)
+        TILE_FOR(QK_Q8_F16)
+        TILE_FOR(QK_Q4_F16)
+        TILE_FOR(QK_Q4_AFF16)
+        TILE_FOR(QK_Q4_AFF32)
+    }
+}
+#undef TILE_FOR
+
+int64_t qgemm_work_bytes(int64_t M, int64_t K) { return M * row_bytes(K); }
+
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T; K a multiple of 64; work of
+ * qgemm_work_bytes(M, K), 64-byte aligned. Returns 0, or -1 for an unknown kind or a K that
+ * is not a multiple of 64. */
+int qgemm(int kind, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *qs,
+          const void *d, const void *m, int64_t N, float *y, int64_t ldy, void *work,
+          int nthreads) {
+    if (kind < QK_Q8_ROW || kind > QK_Q4_AFF32 || K % 64 || M < 0 || N < 0) return -1;
+    const int parallel = M * N * K >= QGEMM_PARALLEL_MIN;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= QGEMM_PARALLEL_MIN)
+    for (int64_t r = 0; r < M; r++) quantize_row(x + r * ldx, K, kind, act_row(work, K, r));
+    const int64_t mc = QGEMM_XBLOCK * 1024 / row_bytes(K) > QGEMM_TILE_ROWS
+                           ? QGEMM_XBLOCK * 1024 / row_bytes(K) / QGEMM_TILE_ROWS * QGEMM_TILE_ROWS
+                           : QGEMM_TILE_ROWS;
+    for (int64_t m0 = 0; m0 < M; m0 += mc) {
+        const int64_t m1 = M - m0 < mc ? M : m0 + mc;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (parallel)
+        for (int64_t n = 0; n < N; n++) {
+            for (int64_t r = m0; r < m1; r += QGEMM_TILE_ROWS) {
+                const int mr = m1 - r < QGEMM_TILE_ROWS ? (int)(m1 - r) : QGEMM_TILE_ROWS;
+                qact a[QGEMM_TILE_ROWS];
+                float out[QGEMM_TILE_ROWS];
+                for (int i = 0; i < mr; i++) a[i] = act_row(work, K, r + i);
+                tile_any(kind, mr, a, qs, d, m, n, K, out);
+                for (int i = 0; i < mr; i++) y[(r + i) * ldy + n] = out[i];
+            }
+        }
+    }
+    return 0;
+}
+#else
+int64_t qgemm_work_bytes(int64_t M, int64_t K) { (void)M; (void)K; return 0; }
+int qgemm(int kind, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *qs,
+          const void *d, const void *m, int64_t N, float *y, int64_t ldy, void *work,
+          int nthreads) {
+    (void)kind; (void)x; (void)ldx; (void)M; (void)K; (void)qs; (void)d; (void)m; (void)N;
+    (void)y; (void)ldy; (void)work; (void)nthreads;
+    return -1;
+}
+#endif
