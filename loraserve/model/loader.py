@@ -11,8 +11,8 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from loraserve.model.families import read_model_config
-from loraserve.model.linear import BiasedLinear, Linear
 from loraserve.model.llama import LayerWeights, LlamaModel
+from loraserve.model.projections import ProjectionBuilder
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -37,9 +37,15 @@ def read_state_dict(path: Path, dtype: torch.dtype = torch.float32,
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> LlamaModel:
+               device: str | torch.device = "cpu", quantization: str = "none",
+               gguf_file: Path | None = None) -> LlamaModel:
+    """The model at `path`; its projections quantized by `quantization` (model/projections.py:
+    none, int8, int4, or gguf: the tensors of `gguf_file`, the GGUF the checkpoint was
+    converted from)."""
     path = Path(path)
     config = read_model_config(path)  # refuses what we do not compute exactly, before reading
+    build = ProjectionBuilder(quantization, gguf_file, config.num_attention_heads,
+                              config.num_key_value_heads)
     sd = read_state_dict(path, dtype, device)
 
     def take(name: str) -> torch.Tensor:
@@ -48,12 +54,11 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         except KeyError:
             raise ValueError(f"checkpoint {path} lacks tensor {name!r}") from None
 
-    def linear(names: list[str], bias: bool) -> Linear:
+    def linear(names: list[str], bias: bool):
         """The fused projection of `names` (prefixes of .weight/.bias), stacked on d_out."""
         weight = torch.cat([take(n + ".weight") for n in names])
-        if not bias:
-            return Linear(weight)
-        return BiasedLinear(weight, torch.cat([take(n + ".bias") for n in names]))
+        return build(names, weight, torch.cat([take(n + ".bias") for n in names]) if bias
+                     else None)
 
     c = config
 
@@ -99,10 +104,10 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         )
     embed = take("model.embed_tokens.weight").contiguous()
     if c.tie_word_embeddings or "lm_head.weight" not in sd:
-        lm_head = Linear(embed)  # its own packed copy: embedding rows vs GEMM layout
+        lm_head = build.head(embed)  # its own packed copy: embedding rows vs GEMM layout
         sd.pop("lm_head.weight", None)
     else:
-        lm_head = Linear(take("lm_head.weight"))
+        lm_head = build.head(take("lm_head.weight"))
     if c.embed_scale != 1.0:  # the lm_head above keeps the unscaled rows
         # times the scale in the weights' dtype, as Gemma does: exactly its scaled lookup
         embed = embed * torch.tensor(c.embed_scale, dtype=embed.dtype)
@@ -110,4 +115,5 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     leftovers = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
     if leftovers:
         raise ValueError(f"checkpoint {path} has tensors this model does not use: {leftovers[:5]}")
+    build.finish()
     return LlamaModel(config, embed, layers, final_norm, lm_head)
