@@ -57,6 +57,10 @@ static int32_t weight_offset(int kind) {
     return weight_bits(kind) == 8 ? Q8_OFFSET : kind == QK_Q4_F16 ? 8 : 0;
 }
 
+/* round to nearest, ties to even, for |v| < 2^22: adding 1.5 * 2^23 leaves no fraction bits
+ * (a form gcc vectorizes, where lrintf is a library call per element) */
+static inline float round_even(float v) { return (v + 12582912.f) - 12582912.f; }
+
 /* one row of x into its quantized form, for weights of `kind` */
 static void quantize_row(const float *x, int64_t K, int kind, qact a) {
     int8_t *xq = (int8_t *)a.xq;
@@ -73,16 +77,13 @@ static void quantize_row(const float *x, int64_t K, int kind, qact a) {
             xd[2 * g + blk] = d;
             inv[blk] = d > 0.f ? 1.f / d : 0.f;
         }
+        int8_t q[64];
+        for (int e = 0; e < 64; e++) q[e] = (int8_t)(int32_t)round_even(xg[e] * inv[e >> 5]);
         int32_t sums[16];
-        for (int l = 0; l < 16; l++) {
-            const int blk = l & 1;
-            int32_t s = 0;
-            for (int b = 0; b < 4; b++) {
-                const int8_t q = (int8_t)lrintf(xg[32 * blk + 4 * (l >> 1) + b] * inv[blk]);
-                xq[64 * g + 4 * l + b] = q;
-                s += q;
-            }
-            sums[l] = s;
+        for (int l = 0; l < 16; l++) {  /* dot order: lanes alternate blocks A and B */
+            const int8_t *src = q + 32 * (l & 1) + 4 * (l >> 1);
+            memcpy(xq + 64 * g + 4 * l, src, 4);
+            sums[l] = src[0] + src[1] + src[2] + src[3];
         }
         for (int l = 0; l < QLANES; l++) {
             const int32_t s = QLANES == 16 ? sums[l] : sums[l] + sums[l + 8];
@@ -100,7 +101,9 @@ SIMD_INLINE void tile(int kind, int MR, const qact *a, const uint8_t *qs, const 
     const uint16_t *d16 = (const uint16_t *)d + n * (K / 32);
     const uint16_t *m16 = (const uint16_t *)m + n * (K / 32);
     const float *d32 = (const float *)d + n * (K / 32), *m32 = (const float *)m + n * (K / 32);
-    qvec acc[QGEMM_TILE_ROWS];
+    /* a single row alternates two accumulators over the groups: one chain of FMAs would be
+     * bound by their latency rather than by the ports */
+    qvec acc[QGEMM_TILE_ROWS], acc1 = q_zero();
     for (int r = 0; r < MR; r++) acc[r] = q_zero();
     for (int64_t g = 0; g < G; g++) {
         const qweights w = bits == 8 ? q8_weights(wq + 64 * g) : q4_weights(wq + 32 * g);
@@ -112,12 +115,18 @@ SIMD_INLINE void tile(int kind, int MR, const qact *a, const uint8_t *qs, const 
         if (kind == QK_Q4_AFF32) ms = q_pair_f32(m32 + 2 * g);
         for (int r = 0; r < MR; r++) {
             const qivec s = q_dot(qi_load(a[r].lsum + g * QLANES), w, a[r].xq + 64 * g, bits);
-            const qvec f = q_mul(q_cvt(s), q_pair_f32(a[r].xd + 2 * g));
-            acc[r] = kind == QK_Q8_ROW ? q_add(acc[r], f) : q_fma(f, ws, acc[r]);
+            const qvec x = q_pair_f32(a[r].xd + 2 * g);
+            qvec t = MR == 1 && (g & 1) ? acc1 : acc[r];
+            t = kind == QK_Q8_ROW ? q_fma(q_cvt(s), x, t) : q_fma(q_cvt(s), q_mul(x, ws), t);
             if (kind == QK_Q4_AFF16 || kind == QK_Q4_AFF32)
-                acc[r] = q_fma(q_load(a[r].xs + g * QLANES), ms, acc[r]);
+                t = q_fma(q_load(a[r].xs + g * QLANES), ms, t);
+            if (MR == 1 && (g & 1))
+                acc1 = t;
+            else
+                acc[r] = t;
         }
     }
+    if (MR == 1) acc[0] = q_add(acc[0], acc1);
     const float row_scale = kind == QK_Q8_ROW ? ((const float *)d)[n] : 1.f;
     for (int r = 0; r < MR; r++) out[r] = q_hsum(acc[r]) * row_scale;
 }
