@@ -14,17 +14,19 @@
  * Activations are quantized per block of 32 to int8 (scale amax / 127), in the same dot
  * order, the way llama.cpp's Q8 activations are: a byte product is exact in int32, where
  * dequantizing weights to float32 in registers would spend several instructions per weight
- * and leave batch-1 decode short of memory bandwidth. With them come per lane: the lane's
- * byte sum times -offset (the accumulator's start, so that (w + offset) . x comes out as
- * w . x) and the lane's byte sum times its block's scale (for the affine formats' offsets).
+ * and leave batch-1 decode short of memory bandwidth. With them comes, per block, its byte
+ * sum times its scale (ops/qgemm_cpu.c), for the weights' offsets: (w + offset) . x is
+ * w . x + offset * sum(x).
  *
  *   QLANES                   int32 lanes of one group's dot product: 16 (AVX-512 VNNI) or 8
- *                            (AVX2: a group is two 256-bit halves, added lane by lane)
+ *                            (AVX2: a group is two 256-bit halves, added lane by lane); half
+ *                            of them belong to each block
  *   qvec / qivec             QLANES floats / int32s
  *   Q8_OFFSET                what 8-bit weights are offset by in the product: 128 with VNNI
  *                            (vpdpbusd takes unsigned weights), 0 with AVX2 (|w| . sign(x, w))
  *   q8_weights(p) q4_weights(p)   one group's weights, ready for q_dot
  *   q_dot(acc, w, x, bits)   acc + the lanes' byte products of w with the int8 group at x
+ *   q_amax32(p)              the largest magnitude of 32 floats
  */
 #ifndef LORASERVE_QBLOCK_H
 #define LORASERVE_QBLOCK_H
@@ -55,7 +57,7 @@ SIMD_INLINE qivec q_dot(qivec acc, qweights w, const int8_t *x, int bits) {
     (void)bits;
     return _mm512_dpbusd_epi32(acc, w, _mm512_loadu_si512(x));
 }
-SIMD_INLINE qivec qi_load(const int32_t *p) { return _mm512_loadu_si512(p); }
+SIMD_INLINE qivec qi_zero(void) { return _mm512_setzero_si512(); }
 SIMD_INLINE qvec q_load(const float *p) { return _mm512_loadu_ps(p); }
 SIMD_INLINE qvec q_zero(void) { return _mm512_setzero_ps(); }
 SIMD_INLINE qvec q_cvt(qivec v) { return _mm512_cvtepi32_ps(v); }
@@ -68,6 +70,10 @@ SIMD_INLINE qvec q_pair_f32(const float *p) {
     double d;
     memcpy(&d, p, sizeof d);
     return _mm512_castpd_ps(_mm512_set1_pd(d));
+}
+SIMD_INLINE float q_amax32(const float *p) {  /* the largest |p[i]| of 32 */
+    const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(p)), b = _mm512_abs_ps(_mm512_loadu_ps(p + 16));
+    return _mm512_reduce_max_ps(_mm512_max_ps(a, b));
 }
 SIMD_INLINE qvec q_pair_f16(const uint16_t *p) {
     int32_t v;
@@ -110,7 +116,7 @@ SIMD_INLINE qivec q_dot(qivec acc, qweights w, const int8_t *x, int bits) {
     return _mm256_add_epi32(acc, _mm256_add_epi32(q_half(w.h0, x0, bits),
                                                   q_half(w.h1, x1, bits)));
 }
-SIMD_INLINE qivec qi_load(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+SIMD_INLINE qivec qi_zero(void) { return _mm256_setzero_si256(); }
 SIMD_INLINE qvec q_load(const float *p) { return _mm256_loadu_ps(p); }
 SIMD_INLINE qvec q_zero(void) { return _mm256_setzero_ps(); }
 SIMD_INLINE qvec q_cvt(qivec v) { return _mm256_cvtepi32_ps(v); }
@@ -126,6 +132,14 @@ SIMD_INLINE qvec q_pair_f32(const float *p) {
     double d;
     memcpy(&d, p, sizeof d);
     return _mm256_castpd_ps(_mm256_set1_pd(d));
+}
+SIMD_INLINE float q_amax32(const float *p) {
+    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_and_ps(_mm256_loadu_ps(p), abs);
+    for (int i = 8; i < 32; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(p + i), abs));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
 }
 SIMD_INLINE qvec q_pair_f16(const uint16_t *p) {
     int32_t v;

@@ -11,10 +11,10 @@
  *             d * scale products float16 cannot hold exactly)
  *
  * The activations are quantized once per call into `work` (qgemm_work_bytes), then threads
- * split the output columns: each takes one weight row at a time through QGEMM_TILE_ROWS rows
- * of x at once, so a weight group is unpacked once per tile, and a block of QGEMM_XBLOCK rows
- * of x stays in L2 while every weight row passes over it. A batch of one reads each weight
- * once, as one stream per thread.
+ * split the output columns into chunks of weight rows that stay in L2 (QGEMM_WBLOCK); each
+ * chunk meets the rows of x a block at a time, a block that stays in L1 (QGEMM_XBLOCK), each
+ * weight row QGEMM_TILE_ROWS rows of x at once, so a weight group is unpacked once per tile.
+ * A batch of one reads each weight once, as one stream per thread.
  */
 #include <math.h>
 #include <stdint.h>
@@ -29,25 +29,21 @@ int qgemm_isa(void) { return QGEMM_ISA; }
 
 #if QGEMM_ISA
 /* One row of quantized activations in `work`: xq [K] in dot order, xd [K/32] block scales,
- * lsum [G][QLANES] (-offset * lane sums), xs [G][QLANES] (lane sums * block scale). */
+ * xo [K/32]: per block, its byte sum times its scale, spread over the block's QLANES / 2
+ * lanes (divided by them), times -offset for the symmetric formats: the offset's share,
+ * applied in float32 with the weight's scale (symmetric) or offset (affine). */
 typedef struct {
     const int8_t *xq;
     const float *xd;
-    const int32_t *lsum;
-    const float *xs;
+    const float *xo;
 } qact;
 
-static int64_t row_bytes(int64_t K) {
-    const int64_t G = K / 64;
-    return (K + 4 * (K / 32) + 8 * G * QLANES + 63) & ~(int64_t)63;
-}
+static int64_t row_bytes(int64_t K) { return (K + 8 * (K / 32) + 63) & ~(int64_t)63; }
 
 static qact act_row(uint8_t *work, int64_t K, int64_t r) {
     uint8_t *p = work + r * row_bytes(K);
-    const int64_t G = K / 64;
     const qact a = {(const int8_t *)p, (const float *)(p + K),
-                    (const int32_t *)(p + K + 4 * (K / 32)),
-                    (const float *)(p + K + 4 * (K / 32) + 4 * G * QLANES)};
+                    (const float *)(p + K + 4 * (K / 32))};
     return a;
 }
 
@@ -64,32 +60,26 @@ static inline float round_even(float v) { return (v + 12582912.f) - 12582912.f; 
 /* one row of x into its quantized form, for weights of `kind` */
 static void quantize_row(const float *x, int64_t K, int kind, qact a) {
     int8_t *xq = (int8_t *)a.xq;
-    float *xd = (float *)a.xd, *xs = (float *)a.xs;
-    int32_t *lsum = (int32_t *)a.lsum;
-    const int32_t off = weight_offset(kind);
+    float *xd = (float *)a.xd, *xo = (float *)a.xo;
+    const float off = kind == QK_Q4_AFF16 || kind == QK_Q4_AFF32 ? -1.f : (float)weight_offset(kind);
     for (int64_t g = 0; g < K / 64; g++) {
         const float *xg = x + 64 * g;
         float inv[2];
         for (int blk = 0; blk < 2; blk++) {
-            float amax = 0.f;
-            for (int e = 0; e < 32; e++) amax = fmaxf(amax, fabsf(xg[32 * blk + e]));
-            const float d = amax / 127.f;
+            const float d = q_amax32(xg + 32 * blk) / 127.f;
             xd[2 * g + blk] = d;
             inv[blk] = d > 0.f ? 1.f / d : 0.f;
         }
         int8_t q[64];
         for (int e = 0; e < 64; e++) q[e] = (int8_t)(int32_t)round_even(xg[e] * inv[e >> 5]);
-        int32_t sums[16];
+        int32_t sums[2] = {0, 0};
         for (int l = 0; l < 16; l++) {  /* dot order: lanes alternate blocks A and B */
             const int8_t *src = q + 32 * (l & 1) + 4 * (l >> 1);
             memcpy(xq + 64 * g + 4 * l, src, 4);
-            sums[l] = src[0] + src[1] + src[2] + src[3];
+            sums[l & 1] += src[0] + src[1] + src[2] + src[3];
         }
-        for (int l = 0; l < QLANES; l++) {
-            const int32_t s = QLANES == 16 ? sums[l] : sums[l] + sums[l + 8];
-            lsum[g * QLANES + l] = -off * s;
-            xs[g * QLANES + l] = (float)s * xd[2 * g + (l & 1)];
-        }
+        for (int blk = 0; blk < 2; blk++)
+            xo[2 * g + blk] = -off * (float)sums[blk] * xd[2 * g + blk] / (QLANES / 2);
     }
 }
 
@@ -114,12 +104,15 @@ SIMD_INLINE void tile(int kind, int MR, const qact *a, const uint8_t *qs, const 
         if (kind == QK_Q4_AFF16) ms = q_pair_f16(m16 + 2 * g);
         if (kind == QK_Q4_AFF32) ms = q_pair_f32(m32 + 2 * g);
         for (int r = 0; r < MR; r++) {
-            const qivec s = q_dot(qi_load(a[r].lsum + g * QLANES), w, a[r].xq + 64 * g, bits);
-            const qvec x = q_pair_f32(a[r].xd + 2 * g);
+            const qvec s = q_cvt(q_dot(qi_zero(), w, a[r].xq + 64 * g, bits));
+            const qvec x = q_pair_f32(a[r].xd + 2 * g), o = q_pair_f32(a[r].xo + 2 * g);
             qvec t = MR == 1 && (g & 1) ? acc1 : acc[r];
-            t = kind == QK_Q8_ROW ? q_fma(q_cvt(s), x, t) : q_fma(q_cvt(s), q_mul(x, ws), t);
-            if (kind == QK_Q4_AFF16 || kind == QK_Q4_AFF32)
-                t = q_fma(q_load(a[r].xs + g * QLANES), ms, t);
+            if (kind == QK_Q8_ROW) {
+                t = q_add(q_fma(s, x, t), o);
+            } else {
+                t = q_fma(s, q_mul(x, ws), t);
+                t = q_fma(o, kind == QK_Q4_AFF16 || kind == QK_Q4_AFF32 ? ms : ws, t);
+            }
             if (MR == 1 && (g & 1))
                 acc1 = t;
             else
@@ -165,20 +158,27 @@ int qgemm(int kind, const float *x, int64_t ldx, int64_t M, int64_t K, const uin
     const int parallel = M * N * K >= QGEMM_PARALLEL_MIN;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= QGEMM_PARALLEL_MIN)
     for (int64_t r = 0; r < M; r++) quantize_row(x + r * ldx, K, kind, act_row(work, K, r));
-    const int64_t mc = QGEMM_XBLOCK * 1024 / row_bytes(K) > QGEMM_TILE_ROWS
-                           ? QGEMM_XBLOCK * 1024 / row_bytes(K) / QGEMM_TILE_ROWS * QGEMM_TILE_ROWS
-                           : QGEMM_TILE_ROWS;
-    for (int64_t m0 = 0; m0 < M; m0 += mc) {
-        const int64_t m1 = M - m0 < mc ? M : m0 + mc;
+    int64_t mc = QGEMM_XBLOCK * 1024 / row_bytes(K) / QGEMM_TILE_ROWS * QGEMM_TILE_ROWS;
+    mc = mc < QGEMM_TILE_ROWS ? QGEMM_TILE_ROWS : mc;
+    /* weight rows per chunk: within QGEMM_WBLOCK, and whole rounds of chunks for the threads */
+    const int64_t wrow = (weight_bits(kind) == 8 ? K : K / 2) + K / 8, team = parallel ? nthreads : 1;
+    int64_t chunks = (N * wrow + QGEMM_WBLOCK * 1024 - 1) / (QGEMM_WBLOCK * 1024);
+    chunks = (chunks + team - 1) / team * team;
+    const int64_t nc = (N + chunks - 1) / chunks;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (parallel)
-        for (int64_t n = 0; n < N; n++) {
-            for (int64_t r = m0; r < m1; r += QGEMM_TILE_ROWS) {
-                const int mr = m1 - r < QGEMM_TILE_ROWS ? (int)(m1 - r) : QGEMM_TILE_ROWS;
-                qact a[QGEMM_TILE_ROWS];
-                float out[QGEMM_TILE_ROWS];
-                for (int i = 0; i < mr; i++) a[i] = act_row(work, K, r + i);
-                tile_any(kind, mr, a, qs, d, m, n, K, out);
-                for (int i = 0; i < mr; i++) y[(r + i) * ldy + n] = out[i];
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t n0 = c * nc, n1 = N < n0 + nc ? N : n0 + nc;
+        for (int64_t m0 = 0; m0 < M; m0 += mc) {
+            const int64_t m1 = M - m0 < mc ? M : m0 + mc;
+            for (int64_t n = n0; n < n1; n++) {
+                for (int64_t r = m0; r < m1; r += QGEMM_TILE_ROWS) {
+                    const int mr = m1 - r < QGEMM_TILE_ROWS ? (int)(m1 - r) : QGEMM_TILE_ROWS;
+                    qact a[QGEMM_TILE_ROWS];
+                    float out[QGEMM_TILE_ROWS];
+                    for (int i = 0; i < mr; i++) a[i] = act_row(work, K, r + i);
+                    tile_any(kind, mr, a, qs, d, m, n, K, out);
+                    for (int i = 0; i < mr; i++) y[(r + i) * ldy + n] = out[i];
+                }
             }
         }
     }

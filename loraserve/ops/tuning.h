@@ -47,10 +47,15 @@
  * their accumulators, the group's weights and its scales fit the registers of either ISA
  * (memory_floor.py prefill) */
 #define QGEMM_TILE_ROWS 4
-/* KB of quantized x rows per block: the block stays in L2 while every weight row passes
- * over it (memory_floor.py prefill) */
+/* KB of quantized x rows per block: the block stays in L1 while the weight rows of a chunk
+ * pass over it, each row from L1 for all of its tiles (memory_floor.py prefill) */
 #ifndef QGEMM_XBLOCK
-#define QGEMM_XBLOCK 256
+#define QGEMM_XBLOCK 24
+#endif
+/* KB of weight rows per chunk (a thread's unit): the chunk stays in L2 while every block of
+ * x passes over it, so a batch reads each weight from memory once (memory_floor.py) */
+#ifndef QGEMM_WBLOCK
+#define QGEMM_WBLOCK 256
 #endif
 /* M * N * K below which a product runs on one thread, as GEMM_PARALLEL_MIN */
 #define QGEMM_PARALLEL_MIN (1 << 18)
