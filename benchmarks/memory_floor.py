@@ -10,14 +10,17 @@ process, alternating the formats round by round (medians):
 - floor: bytes of weights one decode token reads (every projection once, lm_head included;
   embedding lookups and norms are a row each) / the host's copy bandwidth measured in the
   same run (a 1 GiB torch copy, read + write bytes per second, as STREAM counts them);
+- on a shared host other tenants' load slows every figure: each is given as the median over
+  rounds and as the best (the fastest time, the highest bandwidth), the best being what this
+  host does uncontended; the floor ratios use the best of both sides;
 - proj_ms: every projection of the model once on one row, back to back (the weight stream a
   decode token is, without attention, norms or the engine): its ratio to the floor is the
   kernels' target (within 1.3x);
 - decode_ms: the engine's time per output token at batch 1 (generate 1 + T tokens minus 1);
 - prefill and 32-row decode: the projections' rows per second at 512 and 32 rows, as a ratio
   to float32's;
-- greedy agreement with float32: 8 prompts x 32 tokens, tokens equal before the first
-  difference, and how many prompts match whole.
+- greedy agreement with float32: 8 English prompts x 32 tokens, the share of tokens before
+  the first difference, and how many prompts match whole.
 """
 
 from __future__ import annotations
@@ -34,10 +37,15 @@ from loraserve.model.projections import weight_format
 from loraserve.ops.qgemm import qgemm_isa
 
 FORMATS = ("none", "int8", "int4", "gguf")
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a little",
+           "The three primary colors are", "To make a cup of tea, first",
+           "Photosynthesis is the process by which", "SELECT name FROM users WHERE",
+           "The best way to learn a language is"]
 MODULES = ("qkv", "o", "gate_up", "down")
 
 
 def copy_gbs(mib: int = 1024, reps: int = 5) -> float:
+    """The best of `reps` 1 GiB copies, in read + write GB/s."""
     src = torch.ones(mib * 1024 * 1024 // 4)
     dst = torch.empty_like(src)
     times = []
@@ -45,22 +53,26 @@ def copy_gbs(mib: int = 1024, reps: int = 5) -> float:
         t = time.perf_counter()
         dst.copy_(src)
         times.append(time.perf_counter() - t)
-    return 2 * src.numel() * 4 / median(times[1:]) / 1e9
+    return 2 * src.numel() * 4 / min(times[1:]) / 1e9
 
 
 def projections(model) -> list:
     return [getattr(layer, m) for layer in model.layers for m in MODULES] + [model.lm_head]
 
 
-def chain_seconds(model, rows: int, head_rows: int) -> float:
-    """Every projection once on `rows` rows (lm_head on `head_rows`), back to back."""
+def chain_seconds(model, rows: int, head_rows: int, reps: int = 5) -> float:
+    """Every projection once on `rows` rows (lm_head on `head_rows`), back to back: the best
+    of `reps`."""
     lins = projections(model)
     xs = {lin.in_features: torch.randn(rows, lin.in_features) for lin in lins}
-    t = time.perf_counter()
-    for lin in lins[:-1]:
-        lin(xs[lin.in_features])
-    lins[-1](xs[lins[-1].in_features][:head_rows])
-    return time.perf_counter() - t
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        for lin in lins[:-1]:
+            lin(xs[lin.in_features])
+        lins[-1](xs[lins[-1].in_features][:head_rows])
+        best = min(best, time.perf_counter() - t)
+    return best
 
 
 def decode_seconds(llm, prompt: list[int], tokens: int) -> float:
@@ -93,7 +105,7 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     args = ap.parse_args()
     load_start = os.getloadavg()
-    llms = {f: LLM(quantization=f, max_num_seqs=32) for f in args.formats}
+    llms = {f: LLM(quantization=f, max_num_seqs=32, kv_cache_tokens=4096) for f in args.formats}
     models = {f: llm.engine.model for f, llm in llms.items()}
     vocab = models[args.formats[0]].config.vocab_size
     prompt = random_prompts(1, 16, vocab, seed=1)[0]
@@ -107,28 +119,30 @@ def main() -> None:
             s.setdefault("rows32", []).append(chain_seconds(models[f], 32, 32))
             s.setdefault("rows512", []).append(chain_seconds(models[f], 512, 1))
             s.setdefault("decode", []).append(decode_seconds(llms[f], prompt, args.tokens))
-    gbs = median(bandwidth)
-    prompts = random_prompts(8, 24, vocab, seed=2)
-    ref = greedy(llms[args.formats[0]], prompts)
+    gbs = max(bandwidth)
+    ref = greedy(llms[args.formats[0]], PROMPTS)
     base = samples[args.formats[0]]
     out = {}
     for f in args.formats:
         s, model = samples[f], models[f]
         nbytes = sum(lin.nbytes for lin in projections(model))
         floor_ms = nbytes / (gbs * 1e9) * 1e3
-        proj_ms, decode_ms = median(s["proj"]) * 1e3, median(s["decode"]) * 1e3
+        proj_ms, decode_ms = min(s["proj"]) * 1e3, min(s["decode"]) * 1e3
         out[f] = {
             "formats": sorted({weight_format(lin) for lin in projections(model)}),
             "weight_mb_per_token": round(nbytes / 1e6, 1),
             "floor_ms": round(floor_ms, 3),
             "proj_ms": round(proj_ms, 3), "proj_over_floor": round(proj_ms / floor_ms, 2),
+            "proj_ms_median": round(median(s["proj"]) * 1e3, 3),
             "decode_ms": round(decode_ms, 3), "decode_over_floor": round(decode_ms / floor_ms, 2),
+            "decode_ms_median": round(median(s["decode"]) * 1e3, 3),
             "rows32_vs_float32": round(median(base["rows32"]) / median(s["rows32"]), 2),
             "prefill512_vs_float32": round(median(base["rows512"]) / median(s["rows512"]), 2),
-            "greedy_vs_float32": agreement(ref, greedy(llms[f], prompts)),
+            "greedy_vs_float32": agreement(ref, greedy(llms[f], PROMPTS)),
         }
         print(f, out[f], flush=True)
-    result = {"copy_gbs": round(gbs, 1), "qgemm_isa": qgemm_isa(), "rounds": args.rounds,
+    result = {"copy_gbs": round(gbs, 1), "copy_gbs_median": round(median(bandwidth), 1),
+              "qgemm_isa": qgemm_isa(), "rounds": args.rounds,
               "decode_tokens": args.tokens, "loadavg_start": load_start,
               "loadavg_end": os.getloadavg(), "formats": out}
     print("wrote", write_result("memory_floor", result))
