@@ -22,6 +22,7 @@ LORA_BACKEND_NAMES = ("cpu", "torch", "triton")
 LORA_BACKEND_ENV = "LORASERVE_LORA_BACKEND"  # the CPU's LoRA backend when none is named
 ATTENTION_BACKEND_NAMES = ("cpu", "triton")  # model/attention/
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # model/projections.py
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,11 @@ class EngineConfig:
     dtype: str = knob(
         "auto", "weights, activations and KV cache: auto = float32 on CPU, bfloat16 on a GPU; "
                 "bfloat16 and float16 need a GPU", MODEL_DTYPES)
+    quantization: str = knob(
+        "none", "base weights on CPU: none (float32); int8 (per output channel) or int4 (per "
+                "block of 32, GGUF Q4_0's layout), quantized at load (lm_head int8); gguf: a "
+                ".gguf model's own Q8_0/Q4_0/Q4_1/Q4_K tensors as the file holds them. "
+                "Adapters stay exact in their own precision", QUANTIZATIONS)
     max_loras_per_batch: int = knob(
         8, "distinct adapters in one batch (the base model counts as one); also the number "
            "of LoRA slots in compute memory. Not binding with one adapter memory "
@@ -135,6 +141,9 @@ class EngineConfig:
                 and self.attention_backend not in ATTENTION_BACKEND_NAMES):
             raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKEND_NAMES)}"
                              f", got {self.attention_backend!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, "
+                             f"got {self.quantization!r}")
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be one of {list(MODEL_DTYPES)}, got {self.dtype!r}")
         if self.lora_backend is not None and self.lora_backend not in LORA_BACKEND_NAMES:
@@ -192,6 +201,9 @@ class EngineConfig:
         if cpu and dtype != "float32":
             raise ValueError(f"dtype {dtype} needs a GPU: on CPU loraserve computes in float32 "
                              "(faster there than bf16, and what its kernels take)")
+        if self.quantization != "none" and not cpu:
+            raise ValueError(f"quantization {self.quantization} runs on CPU only: on a GPU "
+                             "loraserve computes in bfloat16 or float16")
         lora_backend = self.lora_backend or ("triton" if not cpu else (
             os.environ.get(LORA_BACKEND_ENV) or "cpu").lower())
         if lora_backend not in LORA_BACKEND_NAMES:

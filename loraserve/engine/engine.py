@@ -33,7 +33,7 @@ from loraserve.kvcache.manager import KVCacheManager
 from loraserve.lora.backends import create_lora_backend, pool_tile_width
 from loraserve.model.attention import create_attention_backend
 from loraserve.model.base_weights import ModelBaseWeights
-from loraserve.model.bundled import resolve_model_path
+from loraserve.model.bundled import gguf_source, resolve_model_path
 from loraserve.model.loader import load_model
 from loraserve.model.structured import GrammarCompiler
 from loraserve.model.tokenizer import Tokenizer
@@ -56,7 +56,8 @@ class LLMEngine(RequestIntake, AdapterAdmin):
             torch.set_num_threads(c.num_threads)
         self.device, self.dtype = torch.device(c.device), getattr(torch, c.dtype)
         self.model_path = resolve_model_path(model)
-        self.model = load_model(self.model_path, self.dtype, self.device)
+        self.model = load_model(self.model_path, self.dtype, self.device, c.quantization,
+                                gguf_source(model) if c.quantization == "gguf" else None)
         self.model_config = mc = self.model.config
         self.base_weights = ModelBaseWeights(self.model)  # for DoRA norms at adapter reads
         self.tokenizer = Tokenizer(self.model_path)

@@ -186,6 +186,19 @@ def _disk_errors_name(where: Path) -> Iterator[None]:
         raise
 
 
+def gguf_source(model: str | os.PathLike | None) -> Path | None:
+    """The GGUF file a model argument names (the bundled model's for None or its name), or
+    None for a checkpoint directory."""
+    if model is None:
+        return gguf_path()
+    path = Path(model).expanduser()
+    if not path.exists() and str(model) in ALIASES:
+        return gguf_path()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path.resolve()
+    return None
+
+
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
     """None (or the bundled model's name) -> the bundled model; a .gguf file -> its converted
     checkpoint; else a local HF checkpoint dir.

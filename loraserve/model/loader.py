@@ -11,9 +11,9 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from loraserve.model.families import read_model_config
-from loraserve.model.linear import BiasedLinear, Linear
 from loraserve.model.llama import LayerWeights, LlamaModel
 from loraserve.model.moe import MoeWeights
+from loraserve.model.projections import ProjectionBuilder
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -38,9 +38,15 @@ def read_state_dict(path: Path, dtype: torch.dtype = torch.float32,
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> LlamaModel:
+               device: str | torch.device = "cpu", quantization: str = "none",
+               gguf_file: Path | None = None) -> LlamaModel:
+    """The model at `path`; its projections quantized by `quantization` (model/projections.py:
+    none, int8, int4, or gguf: the tensors of `gguf_file`, the GGUF the checkpoint was
+    converted from)."""
     path = Path(path)
     config = read_model_config(path)  # refuses what we do not compute exactly, before reading
+    build = ProjectionBuilder(quantization, gguf_file, config.num_attention_heads,
+                              config.num_key_value_heads)
     sd = read_state_dict(path, dtype, device)
 
     def take(name: str) -> torch.Tensor:
@@ -49,12 +55,11 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         except KeyError:
             raise ValueError(f"checkpoint {path} lacks tensor {name!r}") from None
 
-    def linear(names: list[str], bias: bool) -> Linear:
+    def linear(names: list[str], bias: bool):
         """The fused projection of `names` (prefixes of .weight/.bias), stacked on d_out."""
         weight = torch.cat([take(n + ".weight") for n in names])
-        if not bias:
-            return Linear(weight)
-        return BiasedLinear(weight, torch.cat([take(n + ".bias") for n in names]))
+        return build(names, weight, torch.cat([take(n + ".bias") for n in names]) if bias
+                     else None)
 
     c = config
 
@@ -75,9 +80,11 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         m = p + moe_block + "."
         g, u, d = ([take(f"{m}experts.{e}.{n}.weight") for e in range(c.num_experts)]
                    for n in expert_names)
-        gate_up = [Linear(torch.cat(pair)) for pair in zip(g, u, strict=True)]
+        gate_up = [build.expert(f"{m}experts.{e}.gate_up", torch.cat(pair))
+                   for e, pair in enumerate(zip(g, u, strict=True))]
+        down = [build.expert(f"{m}experts.{e}.down", w) for e, w in enumerate(d)]
         return MoeWeights(router=take(m + "gate.weight").contiguous(), gate_up=gate_up,
-                          down=[Linear(w) for w in d], top_k=c.num_experts_per_tok,
+                          down=down, top_k=c.num_experts_per_tok,
                           norm_topk=c.norm_topk_prob, routing_fp32=c.routing_fp32,
                           shared_gate=take(m + "shared_expert_gate.weight").contiguous()
                           if c.shared_expert else None)
@@ -118,10 +125,10 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         )
     embed = take("model.embed_tokens.weight").contiguous()
     if c.tie_word_embeddings or "lm_head.weight" not in sd:
-        lm_head = Linear(embed)  # its own packed copy: embedding rows vs GEMM layout
+        lm_head = build.head(embed)  # its own packed copy: embedding rows vs GEMM layout
         sd.pop("lm_head.weight", None)
     else:
-        lm_head = Linear(take("lm_head.weight"))
+        lm_head = build.head(take("lm_head.weight"))
     if c.embed_scale != 1.0:  # the lm_head above keeps the unscaled rows
         # times the scale in the weights' dtype, as Gemma does: exactly its scaled lookup
         embed = embed * torch.tensor(c.embed_scale, dtype=embed.dtype)
@@ -129,4 +136,5 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     leftovers = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
     if leftovers:
         raise ValueError(f"checkpoint {path} has tensors this model does not use: {leftovers[:5]}")
+    build.finish()
     return LlamaModel(config, embed, layers, final_norm, lm_head)

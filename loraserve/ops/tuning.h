@@ -41,6 +41,25 @@
  * when it has more than one: into L1, where its K loop reads it next (gemm_shapes.py) */
 #define GEMM_NEXT_PANEL_HINT PF_L1
 
+/* ---- Quantized-weight GEMM (ops/qgemm_cpu.c) --------------------------------------------- */
+
+/* rows of x per weight row pass: a weight group is unpacked once for this many rows, and
+ * their accumulators, the group's weights and its scales fit the registers of either ISA
+ * (memory_floor.py prefill) */
+#define QGEMM_TILE_ROWS 4
+/* KB of quantized x rows per block: the block stays in L1 while the weight rows of a chunk
+ * pass over it, each row from L1 for all of its tiles (memory_floor.py prefill) */
+#ifndef QGEMM_XBLOCK
+#define QGEMM_XBLOCK 24
+#endif
+/* KB of weight rows per chunk (a thread's unit): the chunk stays in L2 while every block of
+ * x passes over it, so a batch reads each weight from memory once (memory_floor.py) */
+#ifndef QGEMM_WBLOCK
+#define QGEMM_WBLOCK 256
+#endif
+/* M * N * K below which a product runs on one thread, as GEMM_PARALLEL_MIN */
+#define QGEMM_PARALLEL_MIN (1 << 18)
+
 /* ---- The fused decode op's fetch streams (lora/fused_tile.h) ----------------------------- */
 
 /* A stream fetches one line every FETCH_STRIDE k steps, or every FETCH_STRIDE / 2, or every

@@ -1,0 +1,152 @@
+"""Batch-1 decode against the memory floor, per base-weight format, on the bundled model.
+
+    .venv/bin/python benchmarks/memory_floor.py [--rounds 7] [--tokens 64]
+    .venv/bin/python tools/both_isas.py memory_floor      # native, then imitated AVX2
+
+Formats: float32 ("none"), int8 and int4 quantized at load (lm_head int8 under both), and
+"gguf": the bundled file's own tensors (Q4_1 projections, Q8_0 lm_head). For each, in one
+process, alternating the formats round by round (medians):
+
+- floor: bytes of weights one decode token reads (every projection once, lm_head included;
+  embedding lookups and norms are a row each) / the host's copy bandwidth measured in the
+  same run (a 1 GiB torch copy, read + write bytes per second, as STREAM counts them);
+- on a shared host other tenants' load slows every figure: each is given as the median over
+  rounds and as the best (the fastest time, the highest bandwidth), the best being what this
+  host does uncontended; the floor ratios use the best of both sides;
+- proj_ms: every projection of the model once on one row, back to back (the weight stream a
+  decode token is, without attention, norms or the engine): its ratio to the floor is the
+  kernels' target (within 1.3x);
+- decode_ms: the engine's time per output token at batch 1 (generate 1 + T tokens minus 1);
+- prefill and 32-row decode: the projections' rows per second at 512 and 32 rows, as a ratio
+  to float32's;
+- greedy agreement with float32: 8 English prompts x 32 tokens, the share of tokens before
+  the first difference, and how many prompts match whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+from common import median, random_prompts, write_result
+
+from loraserve import LLM, SamplingParams
+from loraserve.model.projections import weight_format
+from loraserve.ops.qgemm import qgemm_isa
+
+FORMATS = ("none", "int8", "int4", "gguf")
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a little",
+           "The three primary colors are", "To make a cup of tea, first",
+           "Photosynthesis is the process by which", "SELECT name FROM users WHERE",
+           "The best way to learn a language is"]
+MODULES = ("qkv", "o", "gate_up", "down")
+
+
+def copy_gbs(mib: int = 1024, reps: int = 5) -> float:
+    """The best of `reps` 1 GiB copies, in read + write GB/s."""
+    src = torch.ones(mib * 1024 * 1024 // 4)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t)
+    return 2 * src.numel() * 4 / min(times[1:]) / 1e9
+
+
+def projections(model) -> list:
+    return [getattr(layer, m) for layer in model.layers for m in MODULES] + [model.lm_head]
+
+
+def chain_seconds(model, rows: int, head_rows: int, reps: int = 5) -> float:
+    """Every projection once on `rows` rows (lm_head on `head_rows`), back to back: the best
+    of `reps`."""
+    lins = projections(model)
+    xs = {lin.in_features: torch.randn(rows, lin.in_features) for lin in lins}
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        for lin in lins[:-1]:
+            lin(xs[lin.in_features])
+        lins[-1](xs[lins[-1].in_features][:head_rows])
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def decode_seconds(llm, prompt: list[int], tokens: int) -> float:
+    def run(n: int) -> float:
+        sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        t = time.perf_counter()
+        llm.generate([prompt], sp)
+        return time.perf_counter() - t
+
+    return (run(1 + tokens) - run(1)) / tokens
+
+
+def greedy(llm, prompts, n: int = 32) -> list[list[int]]:
+    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompts, sp)]
+
+
+def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
+    same = [next((i for i, (a, b) in enumerate(zip(r, g, strict=True)) if a != b), len(r))
+            for r, g in zip(ref, got, strict=True)]
+    return {"tokens_before_first_difference": sum(same) / sum(map(len, ref)),
+            "prompts_equal": sum(s == len(r) for s, r in zip(same, ref, strict=True)),
+            "prompts": len(ref)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    args = ap.parse_args()
+    load_start = os.getloadavg()
+    llms = {f: LLM(quantization=f, max_num_seqs=32, kv_cache_tokens=4096) for f in args.formats}
+    models = {f: llm.engine.model for f, llm in llms.items()}
+    vocab = models[args.formats[0]].config.vocab_size
+    prompt = random_prompts(1, 16, vocab, seed=1)[0]
+    samples: dict[str, dict[str, list[float]]] = {f: {} for f in args.formats}
+    bandwidth = []
+    for _ in range(args.rounds):
+        bandwidth.append(copy_gbs())
+        for f in args.formats:
+            s = samples[f]
+            s.setdefault("proj", []).append(chain_seconds(models[f], 1, 1))
+            s.setdefault("rows32", []).append(chain_seconds(models[f], 32, 32))
+            s.setdefault("rows512", []).append(chain_seconds(models[f], 512, 1))
+            s.setdefault("decode", []).append(decode_seconds(llms[f], prompt, args.tokens))
+    gbs = max(bandwidth)
+    ref = greedy(llms[args.formats[0]], PROMPTS)
+    base = samples[args.formats[0]]
+    out = {}
+    for f in args.formats:
+        s, model = samples[f], models[f]
+        nbytes = sum(lin.nbytes for lin in projections(model))
+        floor_ms = nbytes / (gbs * 1e9) * 1e3
+        proj_ms, decode_ms = min(s["proj"]) * 1e3, min(s["decode"]) * 1e3
+        out[f] = {
+            "formats": sorted({weight_format(lin) for lin in projections(model)}),
+            "weight_mb_per_token": round(nbytes / 1e6, 1),
+            "floor_ms": round(floor_ms, 3),
+            "proj_ms": round(proj_ms, 3), "proj_over_floor": round(proj_ms / floor_ms, 2),
+            "proj_ms_median": round(median(s["proj"]) * 1e3, 3),
+            "decode_ms": round(decode_ms, 3), "decode_over_floor": round(decode_ms / floor_ms, 2),
+            "decode_ms_median": round(median(s["decode"]) * 1e3, 3),
+            "rows32_vs_float32": round(median(base["rows32"]) / median(s["rows32"]), 2),
+            "prefill512_vs_float32": round(median(base["rows512"]) / median(s["rows512"]), 2),
+            "greedy_vs_float32": agreement(ref, greedy(llms[f], PROMPTS)),
+        }
+        print(f, out[f], flush=True)
+    result = {"copy_gbs": round(gbs, 1), "copy_gbs_median": round(median(bandwidth), 1),
+              "qgemm_isa": qgemm_isa(), "rounds": args.rounds,
+              "decode_tokens": args.tokens, "loadavg_start": load_start,
+              "loadavg_end": os.getloadavg(), "formats": out}
+    print("wrote", write_result("memory_floor", result))
+
+
+if __name__ == "__main__":
+    main()
