@@ -10,9 +10,11 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from loraserve.model.bf16_linear import Bf16Linear
 from loraserve.model.families import read_model_config
 from loraserve.model.linear import BiasedLinear, Linear
 from loraserve.model.llama import LayerWeights, LlamaModel
+from loraserve.ops.bf16_gemm import require_fast_bf16
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -37,9 +39,20 @@ def read_state_dict(path: Path, dtype: torch.dtype = torch.float32,
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> LlamaModel:
+               device: str | torch.device = "cpu",
+               weight_dtype: torch.dtype | None = None) -> LlamaModel:
+    """The model at `path`, computing in `dtype`. `weight_dtype` bfloat16 with a float32
+    `dtype` on CPU: the projections' weights in bf16 (model/bf16_linear.py), refused where
+    this CPU computes bf16 slowly (ops/bf16_gemm.py)."""
     path = Path(path)
     config = read_model_config(path)  # refuses what we do not compute exactly, before reading
+    bf16_weights = weight_dtype not in (None, dtype)
+    if bf16_weights and (weight_dtype != torch.bfloat16 or dtype != torch.float32
+                         or torch.device(device).type != "cpu"):
+        raise ValueError(f"{weight_dtype} weights under {dtype} activations on {device}: only "
+                         "bfloat16 weights with float32 activations on CPU are computed")
+    if bf16_weights:
+        require_fast_bf16()
     sd = read_state_dict(path, dtype, device)
 
     def take(name: str) -> torch.Tensor:
@@ -51,6 +64,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     def linear(names: list[str], bias: bool) -> Linear:
         """The fused projection of `names` (prefixes of .weight/.bias), stacked on d_out."""
         weight = torch.cat([take(n + ".weight") for n in names])
+        if bf16_weights:
+            return Bf16Linear(weight, torch.cat([take(n + ".bias") for n in names])
+                              if bias else None)
         if not bias:
             return Linear(weight)
         return BiasedLinear(weight, torch.cat([take(n + ".bias") for n in names]))
@@ -99,10 +115,12 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         )
     embed = take("model.embed_tokens.weight").contiguous()
     if c.tie_word_embeddings or "lm_head.weight" not in sd:
-        lm_head = Linear(embed)  # its own packed copy: embedding rows vs GEMM layout
+        # its own packed copy: embedding rows vs GEMM layout
+        lm_head = Bf16Linear(embed) if bf16_weights else Linear(embed)
         sd.pop("lm_head.weight", None)
     else:
-        lm_head = Linear(take("lm_head.weight"))
+        head = take("lm_head.weight")
+        lm_head = Bf16Linear(head) if bf16_weights else Linear(head)
     if c.embed_scale != 1.0:  # the lm_head above keeps the unscaled rows
         # times the scale in the weights' dtype, as Gemma does: exactly its scaled lookup
         embed = embed * torch.tensor(c.embed_scale, dtype=embed.dtype)
