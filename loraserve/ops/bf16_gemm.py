@@ -2,17 +2,17 @@
 with float32 accumulation, on float32 activations rounded to bf16 at its input.
 
 Whether it pays is decided once per process by trying it (`bf16_speed`): a float32 and a bf16
-product of the same shape, timed alternately, on the GEMMs the model would run. Where the bf16
-one is much the slower (a CPU without bf16 dot products: oneDNN then widens in software, or
-has no bf16 kernel for the ISA at all), `require_fast_bf16` refuses bf16 weights with the
-measured figure and points at float32, rather than serve them several times slower.
+product of the same shape, timed alternately on one core, on the GEMMs the model would run.
+Where the bf16 one is much the slower (a CPU without bf16 dot products: oneDNN then widens in
+software), `require_fast_bf16` refuses bf16 weights with the measured figure and points at
+float32, rather than serve them several times slower; where oneDNN has no bf16 matmul for the
+CPU at all (AVX2 without AVX-NE-CONVERT), it refuses them saying so.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import statistics
 import time
 
 import torch
@@ -24,7 +24,7 @@ log = logging.getLogger("loraserve.ops")
 # The probe's product: rows x d_in -> d_out, a batched-decode step's size on a small model's
 # projection (large enough that the timing is the GEMM's, small enough to take milliseconds).
 PROBE_ROWS, PROBE_DIN, PROBE_DOUT = 64, 1024, 2048
-PROBE_ROUNDS = 7
+PROBE_ROUNDS = 9
 # Below this bf16 / float32 rate bf16 weights are refused: a CPU with bf16 instructions runs
 # them faster than float32 at this size, one without runs them several times slower, so the
 # line falls far from both and host noise cannot move a CPU across it.
@@ -67,27 +67,34 @@ def _float32_product(weight: torch.Tensor):
 
 @functools.lru_cache(maxsize=1)
 def bf16_speed() -> float:
-    """bf16 matmul rate / float32 rate on this CPU, measured now (median of alternating
-    rounds); 0.0 where oneDNN has no bf16 matmul here at all."""
+    """bf16 matmul rate / float32 rate on one core of this CPU, measured now; 0.0 where
+    oneDNN has no bf16 matmul here at all. One thread and the fastest of several rounds of
+    each: other processes on the host only ever slow a round down, and a multi-threaded
+    product waits for its slowest thread."""
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(PROBE_DOUT, PROBE_DIN, generator=g)
     x = torch.randn(PROBE_ROWS, PROBE_DIN, generator=g)
-    f32 = _float32_product(weight)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
-        packed = pack_bf16(weight)
-        bf16_linear(x, packed)
-    except RuntimeError as e:
-        log.warning("oneDNN has no bf16 matmul on this CPU: %s", e)
-        return 0.0
-    ratios = []
-    for _ in range(PROBE_ROUNDS):
-        t0 = time.perf_counter()
-        f32(x)
-        t1 = time.perf_counter()
-        bf16_linear(x, packed)
-        t2 = time.perf_counter()
-        ratios.append((t1 - t0) / max(t2 - t1, 1e-9))
-    return statistics.median(ratios[1:])  # the first round warms both up
+        f32 = _float32_product(weight)
+        try:
+            packed = pack_bf16(weight)
+            bf16_linear(x, packed)
+        except RuntimeError as e:
+            log.warning("oneDNN has no bf16 matmul on this CPU: %s", e)
+            return 0.0
+        best_f32 = best_bf16 = float("inf")
+        for _ in range(PROBE_ROUNDS):
+            t0 = time.perf_counter()
+            f32(x)
+            t1 = time.perf_counter()
+            bf16_linear(x, packed)
+            t2 = time.perf_counter()
+            best_f32, best_bf16 = min(best_f32, t1 - t0), min(best_bf16, t2 - t1)
+    finally:
+        torch.set_num_threads(threads)
+    return best_f32 / max(best_bf16, 1e-9)
 
 
 def require_fast_bf16() -> float:
