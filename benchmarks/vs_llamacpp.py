@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import json
 import os
 import subprocess
 import sys
@@ -164,7 +165,7 @@ def bench_format(fmt: str, args, model_dir: Path, adapters: list[Path], binary: 
         models = httpx.get(ours_srv.url + "/v1/models", timeout=30).json()["data"]
         base = next(m["id"] for m in models if m["id"] not in names)
         ours = Ours(ours_srv, base, names)
-        vocab = 49152
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         sides = {"loraserve": ours, "llama.cpp": theirs}
         for side in sides.values():  # warm-up: every adapter read, kernels built
             for i in range(NUM_ADAPTERS):
