@@ -134,7 +134,10 @@ def main() -> None:
     for dtype, r in rates.items():
         res[dtype] = {k: median(v) for k, v in r.items()}
         res[dtype + "_spread"] = {k: [min(v), max(v)] for k, v in r.items()}
-    res["bf16_over_fp32"] = {k: res["bfloat16"][k] / res["float32"][k] for k in res["float32"]}
+    # each round runs both back to back: the median of their ratios cancels the host's drift
+    res["bf16_over_fp32"] = {k: median([b / f for b, f in zip(rates["bfloat16"][k], v,
+                                                               strict=True)])
+                             for k, v in rates["float32"].items()}
     res["greedy_agreement"] = agreement(engines["float32"], engines["bfloat16"],
                                         args.agree_tokens)
     for k, v in res.items():

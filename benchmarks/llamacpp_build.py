@@ -41,6 +41,13 @@ COMMON = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF"
           # batches, a fraction of the compile time; ggml's kernels one file each, as upstream
           "-DCMAKE_UNITY_BUILD=ON", "-DCMAKE_UNITY_BUILD_BATCH_SIZE=16"]
 NO_UNITY_IN_GGML = "set(CMAKE_UNITY_BUILD OFF)\n"
+# mtmd's helpers refuse to share a unit with mtmd's internal headers: compiled alone (set once
+# the whole tree is read, when tools/mtmd exists as a directory of the build)
+UNITY_EXCEPTIONS = """cmake_language(DEFER DIRECTORY ${CMAKE_SOURCE_DIR} CALL
+    set_source_files_properties ${CMAKE_SOURCE_DIR}/tools/mtmd/mtmd-helper.cpp
+    ${CMAKE_SOURCE_DIR}/tools/mtmd/mtmd-helper-gen.cpp
+    DIRECTORY ${CMAKE_SOURCE_DIR}/tools/mtmd PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
+"""
 FLAVOURS = {"native": NATIVE, "portable": PORTABLE, "avx2": AVX2_ONLY}
 
 
@@ -104,8 +111,11 @@ def build_tool(target: str, flavour: str = "native", jobs: int = 2) -> Path:
     nice = ["nice", "-n", "10"]
     ggml_include = root() / "ggml-no-unity.cmake"
     ggml_include.write_text(NO_UNITY_IN_GGML)
+    top_include = root() / "unity-exceptions.cmake"
+    top_include.write_text(UNITY_EXCEPTIONS)
     configure = ["cmake", "-S", str(src), "-B", str(build), *COMMON, *FLAVOURS[flavour],
-                 f"-DCMAKE_PROJECT_ggml_INCLUDE={ggml_include}"]
+                 f"-DCMAKE_PROJECT_ggml_INCLUDE={ggml_include}",
+                 f"-DCMAKE_PROJECT_llama.cpp_INCLUDE={top_include}"]
     stamp = build / "loraserve-configure.txt"
     if not stamp.exists() or stamp.read_text() != " ".join(configure):
         subprocess.run(nice + configure, check=True)
