@@ -34,7 +34,9 @@ class EngineConfig:
         None, "cpu, cuda or cuda:N (default: cuda when torch sees a GPU, else cpu)")
     dtype: str = knob(
         "auto", "weights, activations and KV cache: auto = float32 on CPU, bfloat16 on a GPU; "
-                "bfloat16 and float16 need a GPU", MODEL_DTYPES)
+                "on CPU, bfloat16 is the projections' weights only (bf16 matmul with float32 "
+                "sums; activations, KV cache and adapters stay float32), refused where the "
+                "CPU computes bf16 slowly; float16 needs a GPU", MODEL_DTYPES)
     quantization: str = knob(
         "none", "base weights on CPU: none (float32); int8 (per output channel) or int4 (per "
                 "block of 32, GGUF Q4_0's layout), quantized at load (lm_head int8); gguf: a "
@@ -48,7 +50,8 @@ class EngineConfig:
         None, "adapters kept in host memory, LRU beyond (default: unbounded)")
     max_lora_rank: int = knob(64, "largest adapter rank accepted; sizes the slots")
     lora_dtype: str = knob(
-        "auto", "adapter weights in compute memory: auto = the model's (float32); bfloat16 "
+        "auto", "adapter weights in compute memory: auto = the model's activations' (float32 "
+                "on CPU); bfloat16 "
                 "halves the memory, exact for adapters trained in bf16", tuple(LORA_DTYPES))
     lora_memory: str = knob(
         "auto", "unified: one adapter memory, each adapter packed once when it reaches host "
@@ -181,6 +184,12 @@ class EngineConfig:
             raise ValueError("num_threads must be >= 1")
 
     @property
+    def activation_dtype(self) -> str:
+        """What the model computes in and the KV cache holds: the weights' dtype, except on CPU
+        where bfloat16 applies to the projections' weights only (model/bf16_linear.py)."""
+        return "float32" if self.device == "cpu" else self.dtype
+
+    @property
     def lora_torch_dtype(self):
         """The slot pool's torch dtype ("auto" reads as float32: `resolve` makes it the
         model's)."""
@@ -198,12 +207,15 @@ class EngineConfig:
         dev = _device_name(device or self.device)
         cpu = dev == "cpu"  # on anything else, a CUDA GPU
         dtype = ("float32" if cpu else "bfloat16") if self.dtype == "auto" else self.dtype
-        if cpu and dtype != "float32":
-            raise ValueError(f"dtype {dtype} needs a GPU: on CPU loraserve computes in float32 "
-                             "(faster there than bf16, and what its kernels take)")
+        if cpu and dtype == "float16":
+            raise ValueError("dtype float16 needs a GPU: on CPU loraserve computes in float32, "
+                             "or with bfloat16 weights (--dtype bfloat16)")
         if self.quantization != "none" and not cpu:
             raise ValueError(f"quantization {self.quantization} runs on CPU only: on a GPU "
                              "loraserve computes in bfloat16 or float16")
+        if self.quantization != "none" and dtype != "float32":
+            raise ValueError(f"quantization {self.quantization} with dtype {dtype}: the "
+                             "quantized weights stand for float32 ones; choose one of the two")
         lora_backend = self.lora_backend or ("triton" if not cpu else (
             os.environ.get(LORA_BACKEND_ENV) or "cpu").lower())
         if lora_backend not in LORA_BACKEND_NAMES:
@@ -217,7 +229,8 @@ class EngineConfig:
             graphs = False
         return replace(
             self, device=dev, dtype=dtype,
-            lora_dtype=dtype if self.lora_dtype == "auto" else self.lora_dtype,
+            lora_dtype=(("float32" if cpu else dtype) if self.lora_dtype == "auto"
+                        else self.lora_dtype),
             lora_memory=("unified" if cpu else "tiered") if self.lora_memory == "auto"
             else self.lora_memory,
             lora_backend=lora_backend, attention_backend=attention_backend,

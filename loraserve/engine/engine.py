@@ -54,10 +54,11 @@ class LLMEngine(RequestIntake, AdapterAdmin):
         self.config = c = (config or EngineConfig()).resolve(device)
         if c.num_threads:
             torch.set_num_threads(c.num_threads)
-        self.device, self.dtype = torch.device(c.device), getattr(torch, c.dtype)
+        self.device, self.dtype = torch.device(c.device), getattr(torch, c.activation_dtype)
         self.model_path = resolve_model_path(model)
         self.model = load_model(self.model_path, self.dtype, self.device, c.quantization,
-                                gguf_source(model) if c.quantization == "gguf" else None)
+                                gguf_source(model) if c.quantization == "gguf" else None,
+                                weight_dtype=getattr(torch, c.dtype))
         self.model_config = mc = self.model.config
         self.base_weights = ModelBaseWeights(self.model)  # for DoRA norms at adapter reads
         self.tokenizer = Tokenizer(self.model_path)

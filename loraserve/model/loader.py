@@ -14,6 +14,7 @@ from loraserve.model.families import read_model_config
 from loraserve.model.llama import LayerWeights, LlamaModel
 from loraserve.model.moe import MoeWeights
 from loraserve.model.projections import ProjectionBuilder
+from loraserve.ops.bf16_gemm import require_fast_bf16
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -39,14 +40,24 @@ def read_state_dict(path: Path, dtype: torch.dtype = torch.float32,
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", quantization: str = "none",
-               gguf_file: Path | None = None) -> LlamaModel:
-    """The model at `path`; its projections quantized by `quantization` (model/projections.py:
-    none, int8, int4, or gguf: the tensors of `gguf_file`, the GGUF the checkpoint was
-    converted from)."""
+               gguf_file: Path | None = None,
+               weight_dtype: torch.dtype | None = None) -> LlamaModel:
+    """The model at `path`, computing in `dtype`; its projections quantized by `quantization`
+    (model/projections.py: none, int8, int4, or gguf: the tensors of `gguf_file`, the GGUF the
+    checkpoint was converted from). `weight_dtype` bfloat16 with a float32 `dtype` on CPU: the
+    projections' weights in bf16 (model/bf16_linear.py), refused where this CPU computes bf16
+    slowly (ops/bf16_gemm.py)."""
     path = Path(path)
     config = read_model_config(path)  # refuses what we do not compute exactly, before reading
+    bf16_weights = weight_dtype not in (None, dtype)
+    if bf16_weights and (weight_dtype != torch.bfloat16 or dtype != torch.float32
+                         or torch.device(device).type != "cpu"):
+        raise ValueError(f"{weight_dtype} weights under {dtype} activations on {device}: only "
+                         "bfloat16 weights with float32 activations on CPU are computed")
+    if bf16_weights:
+        require_fast_bf16()
     build = ProjectionBuilder(quantization, gguf_file, config.num_attention_heads,
-                              config.num_key_value_heads)
+                              config.num_key_value_heads, bf16_weights=bf16_weights)
     sd = read_state_dict(path, dtype, device)
 
     def take(name: str) -> torch.Tensor:

@@ -9,6 +9,8 @@
   lm_head included (the embedding table's, when tied).
 
 Embedding lookups and norms stay float32 under every scheme: a lookup reads one row a token.
+With bf16 weights (`--dtype bfloat16` on CPU, scheme "none" only) every projection, experts and
+lm_head included, is a model/bf16_linear.Bf16Linear.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from loraserve.model.bf16_linear import Bf16Linear
 from loraserve.model.gguf_weights import GGUFProjections
 from loraserve.model.quant_linear import (
     QuantLinear,
@@ -32,7 +35,7 @@ HEAD_SCHEME = "int8"  # lm_head under int8 and int4 (see above)
 
 class ProjectionBuilder:
     def __init__(self, scheme: str, gguf_file: Path | None = None, num_heads: int = 0,
-                 num_kv_heads: int = 0):
+                 num_kv_heads: int = 0, bf16_weights: bool = False):
         if scheme not in SCHEMES:
             raise ValueError(f"quantization must be one of {list(SCHEMES)}, not {scheme!r}")
         if scheme == "gguf" and gguf_file is None:
@@ -40,7 +43,9 @@ class ProjectionBuilder:
                              "must be a .gguf file (or the bundled model)")
         if scheme != "none":
             require_kernel(scheme)
-        self.scheme = scheme
+            if bf16_weights:
+                raise ValueError(f"quantization {scheme} with bfloat16 weights: choose one")
+        self.scheme, self.bf16_weights = scheme, bf16_weights
         self.gguf = (GGUFProjections(gguf_file, num_heads, num_kv_heads)
                      if scheme == "gguf" else None)
 
@@ -48,6 +53,8 @@ class ProjectionBuilder:
                  bias: torch.Tensor | None) -> object:
         """The projection of the modules `names` (prefixes of .weight), rows stacked; `weight`
         is their float32 weight from the checkpoint."""
+        if self.bf16_weights:
+            return Bf16Linear(weight, bias)
         if self.scheme == "none" or weight.dtype != torch.float32 or weight.device.type != "cpu":
             return float_linear(weight, bias)
         if self.gguf is not None:
@@ -62,6 +69,8 @@ class ProjectionBuilder:
         if self.scheme in ("int8", "int4") and weight.dtype == torch.float32 \
                 and weight.device.type == "cpu":
             return quantized_or_float(weight, None, self.scheme, name)
+        if self.bf16_weights:
+            return Bf16Linear(weight)
         if self.gguf is not None and name.endswith("0.gate_up"):
             self.gguf.float_kept.append(f"{name.rsplit('.', 2)[0]} (fused experts)")
         return float_linear(weight, None)
@@ -79,4 +88,6 @@ class ProjectionBuilder:
 
 def weight_format(linear: object) -> str:
     """What a built projection computes with: its quantized format, or float32."""
-    return linear.format if isinstance(linear, QuantLinear) else "float32"
+    if isinstance(linear, QuantLinear):
+        return linear.format
+    return "bfloat16" if isinstance(linear, Bf16Linear) else "float32"

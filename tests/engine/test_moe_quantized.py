@@ -1,6 +1,7 @@
-"""Quantized base weights on a mixture-of-experts model: under --quantization int8|int4 every
-expert projection is quantized like the dense ones (not silently left float32), and the
-model's next-token distribution stays close to the float32 model's."""
+"""Base weights stored below float32 on a mixture-of-experts model: under --quantization
+int8|int4, and bf16 under --dtype bfloat16 on CPU, every expert projection is stored so like
+the dense ones (not silently left float32), each decoding close to the expert's own weight,
+and the grouped expert GEMM runs on them."""
 
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ def olmoe(tmp_path_factory):
                             **{**fields, "intermediate_size": 64})
 
 
-@pytest.mark.parametrize("scheme,tolerance", [("int8", 0.01), ("int4", 0.15)])
+@pytest.mark.parametrize("scheme,tolerance", [("int8", 0.01), ("int4", 0.15),
+                                              ("bfloat16", 0.01)])
 def test_expert_projections_are_quantized(olmoe, scheme, tolerance):
     exact = LLM(str(olmoe), enable_prefix_caching=False).engine.model.layers
-    llm = LLM(str(olmoe), quantization=scheme, enable_prefix_caching=False)
+    how = {"dtype": scheme} if scheme == "bfloat16" else {"quantization": scheme}
+    llm = LLM(str(olmoe), enable_prefix_caching=False, **how)
     [out] = llm.generate([[5, 9, 13, 200, 17, 3, 44]], SamplingParams(max_tokens=6, ignore_eos=True,
                                                                        temperature=0))
     assert out.error is None and len(out.token_ids) == 6  # the grouped GEMM, quantized

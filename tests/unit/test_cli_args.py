@@ -124,8 +124,8 @@ def test_device_and_dtype_this_machine_cannot_run_are_refused(tiny_model_dir):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device 'cuda': torch sees no CUDA GPU"):
             LLM(str(tiny_model_dir), device="cuda")
-    with pytest.raises(ValueError, match="dtype bfloat16 needs a GPU"):
-        LLM(str(tiny_model_dir), device="cpu", dtype="bfloat16")
+    with pytest.raises(ValueError, match="dtype float16 needs a GPU"):
+        LLM(str(tiny_model_dir), device="cpu", dtype="float16")
     with pytest.raises(ValueError, match="loraserve runs on cpu or cuda"):
         LLM(str(tiny_model_dir), device="meta")
     llm = LLM(str(tiny_model_dir), device="cpu")

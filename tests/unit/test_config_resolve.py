@@ -87,8 +87,10 @@ def test_the_backend_environment_variable_names_the_cpu_backend_only(gpu, monkey
 
 
 def test_what_the_device_cannot_run_is_refused(monkeypatch):
-    with pytest.raises(ValueError, match="dtype bfloat16 needs a GPU"):
-        EngineConfig(dtype="bfloat16").resolve("cpu")
+    with pytest.raises(ValueError, match="dtype float16 needs a GPU"):
+        EngineConfig(dtype="float16").resolve("cpu")
+    with pytest.raises(ValueError, match="quantization int8 with dtype bfloat16"):
+        EngineConfig(quantization="int8", dtype="bfloat16").resolve("cpu")
     with pytest.raises(ValueError, match="runs on cpu or cuda"):
         EngineConfig().resolve("meta")
     with pytest.raises(ValueError, match="device 'gpu0'"):
@@ -102,3 +104,14 @@ def test_a_lora_dtype_outside_the_choices_only_as_the_models_own():
     with pytest.raises(ValueError, match="lora_dtype must be one of"):
         EngineConfig(lora_dtype="float16")
     assert EngineConfig(dtype="float16", lora_dtype="float16").lora_torch_dtype == torch.float16
+
+
+def test_bf16_on_cpu_is_the_weights_only():
+    """On CPU, bfloat16 is the projections' weights: activations, the KV cache and adapters
+    stay float32 unless lora_dtype says otherwise; on a GPU it is everything."""
+    cpu = EngineConfig(dtype="bfloat16").resolve("cpu")
+    assert (cpu.dtype, cpu.activation_dtype, cpu.lora_dtype) == ("bfloat16", "float32",
+                                                                 "float32")
+    assert EngineConfig(dtype="bfloat16", lora_dtype="bfloat16").resolve("cpu").lora_dtype \
+        == "bfloat16"
+    assert EngineConfig().resolve("cpu").activation_dtype == "float32"
