@@ -1,4 +1,4 @@
-"""Phase 2 families and sliding windows against transformers + PEFT, as in
+"""More families and sliding windows against transformers + PEFT, as in
 test_model_families.py: a tiny random checkpoint, two PEFT adapters, base and adapter rows
 mixed in one `generate` call with chunked prefill (16 tokens a step, so later chunks attend to
 cached context), greedy tokens equal to a plain argmax loop over the HF model.
