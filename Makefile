@@ -30,12 +30,16 @@ venv-dev: $(DEV_STAMP)
 serve: $(SERVE_STAMP)
 	$(BIN)/python -m loraserve.demo serve $(ARGS)
 
+# two pytest-xdist workers: the tests run one torch thread each (tests/conftest.py), so a
+# serial run leaves the second core of a 2-core host idle; a module's tests stay on one worker
+PYTEST := $(BIN)/python -m pytest -q -x -n 2
+
 test: $(DEV_STAMP)
-	$(BIN)/python -m pytest -q -x
+	$(PYTEST)
 
 # the inner loop: no servers, no Ray, no hypothesis, no end-to-end runs of the bundled model
 test-fast: $(DEV_STAMP)
-	$(BIN)/python -m pytest -q -x -m "not server and not cluster and not property and not slow"
+	$(PYTEST) -m "not server and not cluster and not property and not slow"
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
