@@ -38,6 +38,7 @@ test: $(DEV_STAMP)
 	$(PYTEST)
 
 # the inner loop: no servers, no Ray, no hypothesis, no end-to-end runs of the bundled model
+# or of the engine under Triton's interpreter (its kernels' own tests stay)
 test-fast: $(DEV_STAMP)
 	$(PYTEST) -m "not server and not cluster and not property and not slow"
 

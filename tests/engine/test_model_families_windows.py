@@ -85,7 +85,8 @@ def build(tmp, model_type: str, fields: dict, targets: tuple[str, ...]):
     return base_dir, paths, prompts, refs
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if CASES[c][3] == "triton"
+                                  else c for c in CASES])
 def test_family_equals_transformers_and_peft(case, tmp_path, monkeypatch):
     model_type, fields, targets, path = CASES[case]
     base_dir, paths, prompts, refs = build(tmp_path, model_type, fields, targets)
