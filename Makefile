@@ -31,8 +31,10 @@ serve: $(SERVE_STAMP)
 	$(BIN)/python -m loraserve.demo serve $(ARGS)
 
 # two pytest-xdist workers: the tests run one torch thread each (tests/conftest.py), so a
-# serial run leaves the second core of a 2-core host idle; a module's tests stay on one worker
-PYTEST := $(BIN)/python -m pytest -q -x -n 2
+# serial run leaves the second core of a 2-core host idle; a module's tests stay on one worker.
+# WORKERS=0 runs them in one process (less total CPU: better where the cores are already busy)
+WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -x -n $(WORKERS)
 
 test: $(DEV_STAMP)
 	$(PYTEST)
