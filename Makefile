@@ -30,12 +30,19 @@ venv-dev: $(DEV_STAMP)
 serve: $(SERVE_STAMP)
 	$(BIN)/python -m loraserve.demo serve $(ARGS)
 
+# two pytest-xdist workers: the tests run one torch thread each (tests/conftest.py), so a
+# serial run leaves the second core of a 2-core host idle; a module's tests stay on one worker.
+# WORKERS=0 runs them in one process (less total CPU: better where the cores are already busy)
+WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -x -n $(WORKERS)
+
 test: $(DEV_STAMP)
-	$(BIN)/python -m pytest -q -x
+	$(PYTEST)
 
 # the inner loop: no servers, no Ray, no hypothesis, no end-to-end runs of the bundled model
+# or of the engine under Triton's interpreter (its kernels' own tests stay)
 test-fast: $(DEV_STAMP)
-	$(BIN)/python -m pytest -q -x -m "not server and not cluster and not property and not slow"
+	$(PYTEST) -m "not server and not cluster and not property and not slow"
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check .

@@ -3,7 +3,8 @@
 Tests live by kind: unit/ (no model or a stub), kernels/ (C and Triton ops against their
 references), engine/ (the engine on tiny or bundled models), server/ (real HTTP servers),
 cluster/ (Ray Serve). Each test gets its folder's name as a marker, and tests that use
-hypothesis get `property`, so `make test-fast` can leave out servers, Ray and fuzzing.
+hypothesis get `property`, so `make test-fast` can leave out servers, Ray and fuzzing. The
+Makefile runs the suite on two pytest-xdist workers.
 pyproject.toml puts tests/ on sys.path, so helpers such as `model_factory` import directly.
 """
 
@@ -29,6 +30,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(kind)
         if _uses_hypothesis(item.module):
             item.add_marker("property")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under pytest-xdist (`-n 2`, the Makefile's): a module's tests stay on one worker, so a
+    module-scoped server starts once, and the cluster tests share one worker, so only one
+    local Ray instance runs at a time. Other --dist modes are xdist's own."""
+    if config.getvalue("dist") not in ("load", "loadfile"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/cluster" if path.startswith("tests/cluster/") else path
+
+    return ByModule(config, log)
 
 
 def _uses_hypothesis(module) -> bool:

@@ -95,7 +95,8 @@ def _check(setup, monkeypatch, backend: str, **knobs):
     return trace
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch", "triton"])
+@pytest.mark.parametrize("backend",
+                         ["cpu", "torch", pytest.param("triton", marks=pytest.mark.slow)])
 def test_untied_kinds_in_one_mixed_batch_equal_peft(untied, monkeypatch, backend):
     trace = _check(untied, monkeypatch, backend, max_num_batched_tokens=16)
     assert trace.chunks > 0
@@ -142,6 +143,7 @@ def test_family_kinds_equal_peft(case, backend, tmp_path, monkeypatch):
     _check((base_dir, prompts, paths, refs), monkeypatch, backend, max_num_batched_tokens=16)
 
 
+@pytest.mark.slow
 def test_decode_graphs_leave_steps_with_extra_parts_eager(untied):
     # A recorded decode graph holds the B @ A deltas only: a step with a DoRA, lora_bias or
     # vocabulary-part adapter runs eagerly, the others replay; every row keeps PEFT's tokens.

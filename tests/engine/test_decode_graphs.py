@@ -52,6 +52,7 @@ def test_buckets():
     assert buckets(20) == (1, 2, 4, 8, 16, 20)
 
 
+@pytest.mark.slow
 def test_mixed_batches_replayed_equal_peft(tiny_model_dir, tiny_setup):  # noqa: F811
     # Six adapters of different ranks and targets and the base model, up to 4 sequences a
     # step: every pure decode step replays a graph, whatever mix of adapters and slots it has.
@@ -71,6 +72,7 @@ def test_mixed_batches_replayed_equal_peft(tiny_model_dir, tiny_setup):  # noqa:
     assert llm.engine.check_invariants().violations == ()
 
 
+@pytest.mark.slow
 def test_base_only_graph_never_serves_an_adapter_batch(tiny_model_dir, tiny_setup):  # noqa: F811
     # SGLang #32703: a graph captured for base-only batches replayed for a LoRA batch drops the
     # adapter. Here the base-only graphs are recorded first, then the same bucket sizes come
@@ -89,6 +91,7 @@ def test_base_only_graph_never_serves_an_adapter_batch(tiny_model_dir, tiny_setu
     assert all(used[k] == n for k, n in replays(llm).items() if not k[1])
 
 
+@pytest.mark.slow
 def test_moved_slot_pool_is_recaptured(tiny_model_dir, tiny_setup):  # noqa: F811
     prompts, paths, refs = tiny_setup
     llm = graph_llm(tiny_model_dir, paths, max_bs=1)

@@ -1,4 +1,4 @@
-"""Phase 2 families and sliding windows against transformers + PEFT, as in
+"""More families and sliding windows against transformers + PEFT, as in
 test_model_families.py: a tiny random checkpoint, two PEFT adapters, base and adapter rows
 mixed in one `generate` call with chunked prefill (16 tokens a step, so later chunks attend to
 cached context), greedy tokens equal to a plain argmax loop over the HF model.
@@ -85,7 +85,8 @@ def build(tmp, model_type: str, fields: dict, targets: tuple[str, ...]):
     return base_dir, paths, prompts, refs
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if CASES[c][3] == "triton"
+                                  else c for c in CASES])
 def test_family_equals_transformers_and_peft(case, tmp_path, monkeypatch):
     model_type, fields, targets, path = CASES[case]
     base_dir, paths, prompts, refs = build(tmp_path, model_type, fields, targets)

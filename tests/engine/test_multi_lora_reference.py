@@ -163,7 +163,8 @@ def test_tiny_mixed_batch_equals_peft(tiny_model_dir, tiny_setup, name):
         assert sum(e.stats.loads for e in entries) > len(ADAPTERS), "no implicit reload"
 
 
-@pytest.mark.parametrize("backend,attention", [("torch", "cpu"), ("triton", "triton")])
+@pytest.mark.parametrize("backend,attention", [
+    ("torch", "cpu"), pytest.param("triton", "triton", marks=pytest.mark.slow)])
 def test_tiny_mixed_batch_equals_peft_on_other_backends(tiny_model_dir, tiny_setup,
                                                         monkeypatch, backend, attention):
     # torch: the LoRA path without the C kernel (no compiler); triton: the GPU kernels, LoRA
