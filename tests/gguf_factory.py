@@ -39,7 +39,18 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
         w.shape)
 
 
+def random_q4k(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Q4_K blocks of random bytes (any bytes are a valid block; gguf has no Q4_K quantizer)
+    with small finite d and dmin: a `[rows, cols]` weight of llama.cpp's layout."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
+    scales = rng.uniform(1e-4, 2e-3, size=(rows, cols // 256, 2)).astype(np.float16)
+    raw[..., 0:4] = scales.view(np.uint8).reshape(rows, cols // 256, 4)
+    return raw.reshape(rows, -1)
+
+
 def write_llama_gguf(hf_dir: Path, out: Path, quant: str = "F32") -> Path:
+    """Q4_K writes random blocks in place of the 2-D weights (the file is its own model)."""
     import gguf
 
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -84,7 +95,9 @@ def write_llama_gguf(hf_dir: Path, out: Path, quant: str = "F32") -> Path:
             a = _permute(a, cfg["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
             a = _permute(a, cfg["num_key_value_heads"])
-        if a.ndim == 2 and quant != "F32":
+        if a.ndim == 2 and quant == "Q4_K":
+            w.add_tensor(_gguf_name(name), random_q4k(*a.shape, seed=len(name)), raw_dtype=qtype)
+        elif a.ndim == 2 and quant != "F32":
             w.add_tensor(_gguf_name(name), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(_gguf_name(name), np.ascontiguousarray(a))

@@ -3,7 +3,7 @@
 - the LoRA part stays exact: in a real engine run with an adapter, what the LoRA backend adds
   on top of each quantized projection equals PEFT's own delta (lora_B(lora_A(x)) * scaling)
   on the same input, for every targeted module of every layer;
-- a GGUF model's Q8_0 / Q4_0 / Q4_1 tensors are served in their own format (the loader checks
+- a GGUF model's Q8_0 / Q4_0 / Q4_1 / Q4_K tensors are served in their own format (the loader checks
   each decodes exactly to the converted checkpoint, q/k rows un-permuted), lm_head included;
 - what cannot be served quantized is refused with a clear error.
 """
@@ -100,6 +100,20 @@ def test_gguf_tensors_are_served_in_their_own_format(tiny, tmp_path, monkeypatch
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = quant.generate([[5, 9, 13, 200], [7, 7, 30]], sp, lora=[None, "a"])
     assert all(o.error is None and len(o.token_ids) == 6 for o in outs)
+
+
+def test_gguf_q4k_is_served_in_its_own_format(tmp_path, monkeypatch):
+    monkeypatch.setenv("LORASERVE_CACHE", str(tmp_path / "cache"))
+    hf = make_tiny_llama(tmp_path / "hf", hidden_size=256, intermediate_size=512)
+    path = write_llama_gguf(hf, tmp_path / "tiny-Q4_K.gguf", "Q4_K")
+    quant, plain = LLM(str(path), quantization="gguf"), LLM(str(path))
+    model = quant.engine.model
+    assert {weight_format(getattr(layer, g)) for layer in model.layers for g in MODULES} | {
+        weight_format(model.lm_head)} == {"Q4_K"}
+    for ours, theirs in zip(model.layers, plain.engine.model.layers, strict=True):
+        assert torch.equal(ours.gate_up.weight, theirs.gate_up.weight)
+    [out] = quant.generate([[5, 9, 13]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert out.error is None and len(out.token_ids) == 4
 
 
 def test_what_cannot_be_served_quantized_is_refused(tiny):
