@@ -20,6 +20,7 @@ from loraserve.scheduler.admission import AdapterResidency, Admission, Decision
 from loraserve.scheduler.batch import ScheduledBatch, StepOutput
 from loraserve.scheduler.fair_share import client_key
 from loraserve.scheduler.queues import RequestQueues
+from loraserve.scheduler.row_share import split_rows
 from loraserve.scheduler.step_pace import StepPace
 from loraserve.types import FinishReason
 
@@ -49,36 +50,65 @@ class Scheduler(RequestQueues):
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len or config.max_model_len or 10**9
         self.pace = StepPace(config.decode_pace_factor, config.max_num_batched_tokens)
+        # between clients (fair scheduling, several clients): the bound on average, the
+        # decodes of clients within their share of seats its reference (row_share.py)
+        self.tenant_pace = StepPace(config.tenant_pace_factor, config.max_num_batched_tokens,
+                                    average=True) if (
+            config.fair_scheduling and config.tenant_pace_factor > 0) else None
+        self.last_shared = False  # the last batch was budgeted by the tenant pace too
         # whose share of the batch `request_fair_share` bounds: a client when scheduling is
         # fair, else one client request (its n x prompts)
         self.share_key = client_key if config.fair_scheduling else _origin
 
     # --- one step ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
-        """Decodes first (a running sequence never waits behind a prompt), then prefill work,
-        new admissions and the next chunks of long prompts, within the step's prefill budget
-        (scheduler/step_pace.py), in fair order between clients (scheduler/fair_share.py)."""
+        """Protected decodes first (a running sequence within its client's share never waits
+        behind a prompt), then the paced work, within the step's budget (step_pace.py), in
+        fair order between clients (fair_share.py): new admissions, the next chunks of long
+        prompts, and the decodes of clients above their share of seats (row_share.py)."""
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
-        prefilling = []
-        for req in list(self.running):
+        prefilling, decodes = [], []
+        for req in self.running:
+            remaining = req.num_tokens - req.num_computed_tokens
+            (prefilling if remaining > 1 else decodes).append(req)
+        protected, paced, shared = decodes, [], False
+        if self.tenant_pace is not None:
+            protected, paced = split_rows(decodes, self.running, self.waiting,
+                                          self.config.max_num_seqs)
+            shared = len({client_key(r) for r in (*self.running, *self.waiting)}) > 1
+        self.last_shared = shared
+        for req in protected:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted on the way
-            if req.num_tokens - req.num_computed_tokens > 1:
-                prefilling.append(req)
-            elif budget > 0 and self._reserve(req, 1, batch):
+            if budget > 0 and self._reserve(req, 1, batch):
                 batch.add(req, 1)
                 budget -= 1
-        batch.num_decodes = len(batch.entries)
+        batch.num_decodes = batch.num_protected = len(batch.entries)
         for req, _ in batch.entries:
             self.vtc.charge(req, decode_tokens=1)
-        prefill_budget = min(budget, self.pace.prefill_budget(batch.num_decodes,
-                                                              bool(prefilling)))
-        admission = Admission(self.config, self.kv, self.adapters, self.running, prefill_budget,
-                              list(self.waiting), self.share_key)
-        self._schedule_prefills(batch, admission, prefilling)
+        paced_budget = self.pace.prefill_budget(batch.num_decodes, bool(prefilling))
+        newcomers_only = False
+        if shared:  # both bounds hold: the decodes' pace, and the tenant pace on average
+            paced_budget = min(paced_budget, self.tenant_pace.prefill_budget(
+                batch.num_decodes, bool(prefilling or paced)))
+            # a step left to the protected decodes (a reference, or a debt paid back) still
+            # admits a client that has nothing running: its first chunk, at most min_chunk
+            newcomers_only = paced_budget == 0
+            if newcomers_only:
+                paced_budget = self.tenant_pace.min_chunk
+        admission = Admission(self.config, self.kv, self.adapters, self.running,
+                              min(budget, paced_budget), list(self.waiting), self.share_key)
+        self._schedule_paced(batch, admission, prefilling, paced, newcomers_only)
         batch.block_copies = self.kv.take_copies()
         return batch
+
+    def observe(self, batch: ScheduledBatch, seconds: float) -> None:
+        """The last scheduled batch took `seconds`: it steers the paces that budgeted it."""
+        self.pace.observe(batch.num_decodes, batch.num_tokens - batch.num_decodes, seconds)
+        if self.last_shared:
+            self.tenant_pace.observe(batch.num_protected,
+                                     batch.num_tokens - batch.num_protected, seconds)
 
     def _reserve(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
         """KV for `n` more tokens of a running request, preempting (recompute) until they fit;
@@ -124,29 +154,46 @@ class Scheduler(RequestQueues):
         admission.release(victim)
         return True
 
-    def _schedule_prefills(self, batch: ScheduledBatch, admission: Admission,
-                           prefilling: list[Request]) -> None:
-        """Running prompts' next chunks and waiting requests' admission, in fair order (FCFS,
-        running chunks first, when fair scheduling is off). No admission in a step that had to
-        preempt: the pool is full."""
+    def _schedule_paced(self, batch: ScheduledBatch, admission: Admission,
+                        prefilling: list[Request], paced: list[Request],
+                        newcomers_only: bool) -> None:
+        """Waiting requests' admission, running prompts' next chunks and paced decodes, in
+        fair order (FCFS, running chunks first, when fair scheduling is off).
+        `newcomers_only`: admit only requests of clients with nothing running. No admission
+        in a step that had to preempt: the pool is full."""
         fair = self.config.fair_scheduling
         if fair:
-            order = self.vtc.order([*prefilling, *self.waiting])
+            order = self.vtc.order([*prefilling, *self.waiting, *paced])
         else:
             order = iter([*prefilling, *self.waiting])
+        # clients none of whose requests is admitted this step
+        skip = {client_key(r) for r in self.running} if newcomers_only else set()
+        waiting, paced_rows = set(self.waiting), set(paced)  # (one preempted on the way is
+        # neither: it comes back in a later step)
         deferred: list[Request] = []
         admitting = True
         for req in order:
             if req.status is RequestStatus.RUNNING:
                 n = min(req.num_tokens - req.num_computed_tokens, admission.token_budget)
-                if n > 0 and self._reserve(req, n, batch):
+                if newcomers_only or n <= 0 or not self._reserve(req, n, batch):
+                    continue
+                admission.token_budget -= n
+                if req in paced_rows:
+                    batch.add_decode(req)
+                    self.vtc.charge(req, decode_tokens=1)
+                else:
                     batch.add(req, n)
-                    admission.token_budget -= n
                     self.vtc.charge(req, prefill_tokens=n)
-            elif admitting and req.status is RequestStatus.WAITING and not batch.preempted:
+            elif admitting and req in waiting and not batch.preempted:
+                if req.status is not RequestStatus.WAITING or client_key(req) in skip:
+                    continue
                 decision, n = admission.try_add(req)
-                if decision is Decision.STOP and fair and self._make_seat(req, batch, admission):
-                    decision, n = admission.try_add(req)
+                if decision is Decision.STOP and fair:
+                    if self._make_seat(req, batch, admission):
+                        decision, n = admission.try_add(req)
+                    elif admission.only_seats_full:
+                        skip.add(client_key(req))  # no seat for it; a client below its
+                        continue  # share may still take one
                 if decision is Decision.STOP:
                     admitting = False  # running prompts may still take their chunks
                 elif decision is Decision.OVER_SHARE:
