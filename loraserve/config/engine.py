@@ -109,7 +109,7 @@ class EngineConfig:
              "so that decodes and short requests keep their pace; 0: no cap (a step may take "
              "max_num_batched_tokens)")
     tenant_pace_factor: float = knob(
-        2.0, "fair scheduling, several clients: steps take on average at most this many times "
+        1.5, "fair scheduling, several clients: steps take on average at most this many times "
              "a step of only the decodes of the clients within their share of seats; prefill "
              "and the decodes of clients above their share fill the rest, least served client "
              "first. 0: no such bound (the decode pace factor alone)")
