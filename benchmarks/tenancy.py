@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import statistics
 import sys
@@ -169,11 +170,14 @@ def main() -> None:
     for r in range(args.rounds):
         for name in args.configs.split(","):
             flags = [*COMMON, "--max-num-seqs", str(args.max_num_seqs), *CONFIGS[name]]
+            load_before = os.getloadavg()[0]  # other jobs on the host inflate every ratio
             with Server(*flags, log_path=tmp / f"{name}-{r}.log") as srv:
                 res = asyncio.run(run_config(srv.url, srv.port, args))
+            res["host_load_1min"] = [round(load_before, 1), round(os.getloadavg()[0], 1)]
             results.setdefault(name, []).append(res)
             print(f"round {r} {name}: idle p50 {res['idle_p50_s']} s; loaded "
-                  f"{json.dumps(res['loaded'])}; most at once {res['most_at_once']}", flush=True)
+                  f"{json.dumps(res['loaded'])}; most at once {res['most_at_once']}; host load "
+                  f"{res['host_load_1min']}", flush=True)
     name = "tenancy" if args.max_num_seqs == 16 else f"tenancy-seqs{args.max_num_seqs}"
     path = write_result(name, {"args": vars(args), "server_flags": COMMON,
                                     "configs": CONFIGS, "results": results})

@@ -117,6 +117,11 @@ class EngineConfig:
              "a decode-only step (costs measured as the engine runs): long prompts are chunked "
              "so that decodes and short requests keep their pace; 0: no cap (a step may take "
              "max_num_batched_tokens)")
+    tenant_pace_factor: float = knob(
+        1.5, "fair scheduling, several clients: steps take on average at most this many times "
+             "a step of only the decodes of the clients within their share of seats; prefill "
+             "and the decodes of clients above their share fill the rest, least served client "
+             "first. 0: no such bound (the decode pace factor alone)")
     max_unread_outputs: int = knob(
         64, "outputs a streaming request may have waiting unread by its client; beyond, it "
             "leaves the running batch (its seat and KV freed) until the client reads; 0: "
@@ -172,6 +177,8 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 2")
         if self.decode_pace_factor != 0.0 and self.decode_pace_factor <= 1.0:
             raise ValueError("decode_pace_factor must be above 1 (or 0: no cap)")
+        if self.tenant_pace_factor != 0.0 and self.tenant_pace_factor <= 1.0:
+            raise ValueError("tenant_pace_factor must be above 1 (or 0: no bound)")
         if self.fair_decode_weight < 0.0:
             raise ValueError("fair_decode_weight must be >= 0")
         if self.max_unread_outputs < 0:

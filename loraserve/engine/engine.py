@@ -116,8 +116,7 @@ class LLMEngine(RequestIntake, AdapterAdmin):
             start = time.perf_counter()
             output, broken = self._execute(batch, store.bind(batch.adapter_uids))
             if not broken:  # what steps cost sizes the next steps' prefill budget
-                sched.pace.observe(batch.num_decodes, batch.num_tokens - batch.num_decodes,
-                                   time.perf_counter() - start)
+                sched.observe(batch, time.perf_counter() - start)
             ended += broken
             sampled = sched.update_from_output(batch, output)
             ended += sched.end_without_token(batch, output)

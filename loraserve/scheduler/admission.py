@@ -120,6 +120,12 @@ class Admission:
         self.origin_tokens[origin] += footprint(req)
         return Decision.ADMIT, n
 
+    @property
+    def only_seats_full(self) -> bool:
+        """STOP said because every seat is taken, and for no other reason (budget, starving)."""
+        return (self.num_seqs >= self.config.max_num_seqs and not self.starving
+                and self.token_budget > 0)
+
     def release(self, req: Request) -> None:
         """A running request left the batch (preempted to make room): its seat is free."""
         origin = self.share_key(req)

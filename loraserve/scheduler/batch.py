@@ -23,6 +23,8 @@ class ScheduledBatch:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)  # from the waiting queue this step
     num_decodes: int = 0  # entries that are decodes (the first ones); the rest is prefill
+    # the first entries, decodes the step protects (row_share.py); the rest is paced work
+    num_protected: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -36,12 +38,18 @@ class ScheduledBatch:
     def add(self, req: Request, num_tokens: int) -> None:
         self.entries.append(ScheduledSeq(req, num_tokens))
 
+    def add_decode(self, req: Request) -> None:
+        """A paced decode: after the decodes already in, before any prefill."""
+        self.entries.insert(self.num_decodes, ScheduledSeq(req, 1))
+        self.num_decodes += 1
+
     def drop(self, req: Request) -> None:
-        kept = [e for e in self.entries if e.request is not req]
-        if len(kept) < len(self.entries) and any(
-                e.request is req for e in self.entries[:self.num_decodes]):
-            self.num_decodes -= 1
-        self.entries = kept
+        i = next((i for i, e in enumerate(self.entries) if e.request is req), None)
+        if i is None:
+            return
+        del self.entries[i]
+        self.num_decodes -= i < self.num_decodes
+        self.num_protected -= i < self.num_protected
 
     def __bool__(self) -> bool:
         return bool(self.entries)

@@ -81,14 +81,15 @@ class VirtualTokenCounter:
         """Every seat is taken and `req`'s client holds less than an equal share of them
         (max_seats / clients with requests running or waiting): the seat it should get, the
         last admitted request of the most served client above its share, if that client was
-        served more. Without this, a client that filled the seats while the others were idle
-        would keep them for as long as its sequences decode. A pure query."""
+        served at least as much (a newcomer is lifted to the least served, so to equal).
+        Without this, a client that filled the seats while the others were idle would keep
+        them for as long as its sequences decode. A pure query."""
         seats = Counter(client_key(r) for r in running)
         share = max_seats / len(set(seats) | {client_key(r) for r in waiting})
         mine = client_key(req)
         if seats[mine] + 1 > share:
             return None
-        over = [c for c, n in seats.items() if n > share and self.counter(c) > self.counter(mine)]
+        over = [c for c, n in seats.items() if n > share and self.counter(c) >= self.counter(mine)]
         if not over:
             return None
         most = max(over, key=self.counter)

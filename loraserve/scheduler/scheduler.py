@@ -4,23 +4,23 @@
 prefill work, within a per-step budget that keeps decodes at their pace (step_pace.py): next
 chunks of running prompts and waiting requests through `Admission.try_add` (admission.py:
 every admission rule, once), in fair order between clients (fair_share.py) or FCFS.
-`pause()` / `resume()`: a request whose client does not read its stream leaves the batch.
+The queues themselves, and pausing a request whose client does not read, are queues.py's.
 `update_from_output()`: the bookkeeping after the forward pass (computed tokens, sampled
 tokens, token-level stops), ending finished requests here. The scheduler never touches tensors.
 """
 
 from __future__ import annotations
 
-import time
-from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 from loraserve.config import EngineConfig
 from loraserve.kvcache.manager import KVCacheManager
 from loraserve.request import Request, RequestStatus
 from loraserve.scheduler.admission import AdapterResidency, Admission, Decision
 from loraserve.scheduler.batch import ScheduledBatch, StepOutput
-from loraserve.scheduler.fair_share import VirtualTokenCounter, client_key
+from loraserve.scheduler.fair_share import client_key
+from loraserve.scheduler.queues import RequestQueues
+from loraserve.scheduler.row_share import split_rows
 from loraserve.scheduler.step_pace import StepPace
 from loraserve.types import FinishReason
 
@@ -42,168 +42,73 @@ def _origin(req: Request) -> str | None:
     return req.origin
 
 
-class Scheduler:
+class Scheduler(RequestQueues):
     def __init__(self, config: EngineConfig, kv: KVCacheManager,
                  adapters: AdapterResidency | None = None, eos_token_ids: Iterable[int] = (),
                  max_model_len: int | None = None):
-        self.config = config
-        self.kv = kv
-        self.adapters: AdapterResidency = adapters or _NoAdapters(config.max_loras_per_batch)
+        super().__init__(config, kv, adapters or _NoAdapters(config.max_loras_per_batch))
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len or config.max_model_len or 10**9
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order: the last is preempted first
-        self.paused: dict[str, Request] = {}  # their clients do not read (see pause())
-        self.vtc = VirtualTokenCounter(config.fair_decode_weight)
         self.pace = StepPace(config.decode_pace_factor, config.max_num_batched_tokens)
+        # between clients (fair scheduling, several clients): the bound on average, the
+        # decodes of clients within their share of seats its reference (row_share.py)
+        self.tenant_pace = StepPace(config.tenant_pace_factor, config.max_num_batched_tokens,
+                                    average=True) if (
+            config.fair_scheduling and config.tenant_pace_factor > 0) else None
+        self.last_shared = False  # the last batch was budgeted by the tenant pace too
         # whose share of the batch `request_fair_share` bounds: a client when scheduling is
         # fair, else one client request (its n x prompts)
         self.share_key = client_key if config.fair_scheduling else _origin
 
-    # --- queue management -------------------------------------------------------------------
-    def add(self, req: Request) -> None:
-        """Queue a request, fairly across origins: the k-th waiting request of a client
-        request goes behind every other origin's k-th, so one client's fan-out (n x prompts)
-        cannot hold everyone else's requests behind all of its own. Requests without an
-        origin (the offline API) are first come, first served."""
-        self.vtc.arrive(req)
-        if req.origin is None:
-            self.waiting.append(req)
-            return
-        mine = sum(1 for r in self.waiting if r.origin == req.origin)
-        seen: dict[str | None, int] = {}
-        for i, r in enumerate(self.waiting):
-            rank = seen[r.origin] = seen.get(r.origin, -1) + 1
-            if r.origin is not None and r.origin != req.origin and rank > mine:
-                self.waiting.insert(i, req)
-                return
-        self.waiting.append(req)
-
-    def finish(self, req: Request, reason: FinishReason, error: str | None = None,
-               error_status: int | None = None) -> None:
-        """End a request for any reason: out of the queues, its blocks back. Idempotent."""
-        if req.is_finished:
-            return
-        if req.status is RequestStatus.PAUSED:
-            del self.paused[req.request_id]
-        elif req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        self.vtc.leave(req)
-        self.kv.free(req)
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
-        req.error = error
-        req.error_status = error_status
-
-    def fail_waiting(self, errors: Mapping[int, str]) -> list[Request]:
-        """End every waiting request of an adapter whose load failed (uid -> why): the
-        adapter the client named cannot be served, a 400 for it, nobody else's business."""
-        failed = [r for r in self.waiting if r.adapter_uid in errors]
-        for r in failed:
-            self.finish(r, FinishReason.ERROR, errors[r.adapter_uid], error_status=400)
-        return failed
-
-    def pause(self, req: Request) -> bool:
-        """Take a live request out of scheduling until `resume`: its client stopped reading
-        its stream, so it gives back its seat and its K/V (recomputed on resume; the prefix
-        cache keeps its full blocks while nobody needs them). False if it was not live."""
-        if req.is_finished or req.status is RequestStatus.PAUSED:
-            return False
-        if req in self.running:
-            self.running.remove(req)
-            self.kv.free(req)
-            req.num_computed_tokens = 0
-        else:
-            self.waiting.remove(req)
-        req.status = RequestStatus.PAUSED
-        req.paused_at = time.monotonic()
-        self.paused[req.request_id] = req
-        return True
-
-    def resume(self, req: Request) -> bool:
-        """Back to the head of the waiting queue (it was admitted once already)."""
-        if self.paused.pop(req.request_id, None) is None:
-            return False
-        req.status = RequestStatus.WAITING
-        req.paused_at = None
-        self.waiting.appendleft(req)
-        return True
-
-    def stalled(self, timeout_s: float) -> list[Request]:
-        """Paused requests whose client has not read for `timeout_s` seconds."""
-        now = time.monotonic()
-        return [r for r in self.paused.values() if now - r.paused_at >= timeout_s]
-
-    def running_adapters(self) -> set[int]:
-        return {r.adapter_uid for r in self.running if r.adapter_uid is not None}
-
-    def waiting_adapters(self) -> list[int]:
-        """Adapters the waiting queue needs, in queue order, without repeats."""
-        seen: dict[int, None] = {}
-        for r in self.waiting:
-            if r.adapter_uid is not None:
-                seen.setdefault(r.adapter_uid, None)
-        return list(seen)
-
-    def check(self) -> list[str]:
-        """The queues' own consistency: each live request in exactly one queue, in the state
-        that queue means; waiting and paused ones hold no KV; the running batch within its caps."""
-        problems = []
-        ids = [r.request_id for r in (*self.running, *self.waiting, *self.paused.values())]
-        if len(ids) != len(set(ids)):
-            problems.append("a request is queued twice")
-        for queue, status in ((self.running, RequestStatus.RUNNING),
-                              (self.waiting, RequestStatus.WAITING)):
-            for r in queue:
-                if r.status is not status:
-                    problems.append(f"{r.request_id} is {r.status.value} in the "
-                                    f"{status.value} queue")
-        for r in self.paused.values():
-            if r.status is not RequestStatus.PAUSED:
-                problems.append(f"{r.request_id} is {r.status.value} among the paused")
-        held = [r.request_id for r in (*self.waiting, *self.paused.values()) if r.block_table]
-        if held:
-            problems.append(f"waiting requests hold KV blocks: {held[:4]}")
-        cap = self.adapters.batch_cap
-        distinct = {r.adapter_uid for r in self.running}
-        if cap is not None and len(distinct) > cap:
-            problems.append(f"{len(distinct)} distinct adapters run; the cap is {cap}")
-        if len(self.running) > self.config.max_num_seqs:
-            problems.append(f"{len(self.running)} running, over max_num_seqs")
-        return problems
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     # --- one step ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
-        """Decodes first (a running sequence never waits behind a prompt), then prefill work,
-        new admissions and the next chunks of long prompts, within the step's prefill budget
-        (scheduler/step_pace.py), in fair order between clients (scheduler/fair_share.py)."""
+        """Protected decodes first (a running sequence within its client's share never waits
+        behind a prompt), then the paced work, within the step's budget (step_pace.py), in
+        fair order between clients (fair_share.py): new admissions, the next chunks of long
+        prompts, and the decodes of clients above their share of seats (row_share.py)."""
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
-        prefilling = []
-        for req in list(self.running):
+        prefilling, decodes = [], []
+        for req in self.running:
+            remaining = req.num_tokens - req.num_computed_tokens
+            (prefilling if remaining > 1 else decodes).append(req)
+        protected, paced, shared = decodes, [], False
+        if self.tenant_pace is not None:
+            protected, paced = split_rows(decodes, self.running, self.waiting,
+                                          self.config.max_num_seqs)
+            shared = len({client_key(r) for r in (*self.running, *self.waiting)}) > 1
+        self.last_shared = shared
+        for req in protected:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted on the way
-            if req.num_tokens - req.num_computed_tokens > 1:
-                prefilling.append(req)
-            elif budget > 0 and self._reserve(req, 1, batch):
+            if budget > 0 and self._reserve(req, 1, batch):
                 batch.add(req, 1)
                 budget -= 1
-        batch.num_decodes = len(batch.entries)
+        batch.num_decodes = batch.num_protected = len(batch.entries)
         for req, _ in batch.entries:
             self.vtc.charge(req, decode_tokens=1)
-        prefill_budget = min(budget, self.pace.prefill_budget(batch.num_decodes,
-                                                              bool(prefilling)))
-        admission = Admission(self.config, self.kv, self.adapters, self.running, prefill_budget,
-                              list(self.waiting), self.share_key)
-        self._schedule_prefills(batch, admission, prefilling)
+        paced_budget = self.pace.prefill_budget(batch.num_decodes, bool(prefilling))
+        newcomers_only = False
+        if shared:  # both bounds hold: the decodes' pace, and the tenant pace on average
+            paced_budget = min(paced_budget, self.tenant_pace.prefill_budget(
+                batch.num_decodes, bool(prefilling or paced)))
+            # a step left to the protected decodes (a reference, or a debt paid back) still
+            # admits a client that has nothing running: its first chunk, at most min_chunk
+            newcomers_only = paced_budget == 0
+            if newcomers_only:
+                paced_budget = self.tenant_pace.min_chunk
+        admission = Admission(self.config, self.kv, self.adapters, self.running,
+                              min(budget, paced_budget), list(self.waiting), self.share_key)
+        self._schedule_paced(batch, admission, prefilling, paced, newcomers_only)
         batch.block_copies = self.kv.take_copies()
         return batch
+
+    def observe(self, batch: ScheduledBatch, seconds: float) -> None:
+        """The last scheduled batch took `seconds`: it steers the paces that budgeted it."""
+        self.pace.observe(batch.num_decodes, batch.num_tokens - batch.num_decodes, seconds)
+        if self.last_shared:
+            self.tenant_pace.observe(batch.num_protected,
+                                     batch.num_tokens - batch.num_protected, seconds)
 
     def _reserve(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
         """KV for `n` more tokens of a running request, preempting (recompute) until they fit;
@@ -249,29 +154,46 @@ class Scheduler:
         admission.release(victim)
         return True
 
-    def _schedule_prefills(self, batch: ScheduledBatch, admission: Admission,
-                           prefilling: list[Request]) -> None:
-        """Running prompts' next chunks and waiting requests' admission, in fair order (FCFS,
-        running chunks first, when fair scheduling is off). No admission in a step that had to
-        preempt: the pool is full."""
+    def _schedule_paced(self, batch: ScheduledBatch, admission: Admission,
+                        prefilling: list[Request], paced: list[Request],
+                        newcomers_only: bool) -> None:
+        """Waiting requests' admission, running prompts' next chunks and paced decodes, in
+        fair order (FCFS, running chunks first, when fair scheduling is off).
+        `newcomers_only`: admit only requests of clients with nothing running. No admission
+        in a step that had to preempt: the pool is full."""
         fair = self.config.fair_scheduling
         if fair:
-            order = self.vtc.order([*prefilling, *self.waiting])
+            order = self.vtc.order([*prefilling, *self.waiting, *paced])
         else:
             order = iter([*prefilling, *self.waiting])
+        # clients none of whose requests is admitted this step
+        skip = {client_key(r) for r in self.running} if newcomers_only else set()
+        waiting, paced_rows = set(self.waiting), set(paced)  # (one preempted on the way is
+        # neither: it comes back in a later step)
         deferred: list[Request] = []
         admitting = True
         for req in order:
             if req.status is RequestStatus.RUNNING:
                 n = min(req.num_tokens - req.num_computed_tokens, admission.token_budget)
-                if n > 0 and self._reserve(req, n, batch):
+                if newcomers_only or n <= 0 or not self._reserve(req, n, batch):
+                    continue
+                admission.token_budget -= n
+                if req in paced_rows:
+                    batch.add_decode(req)
+                    self.vtc.charge(req, decode_tokens=1)
+                else:
                     batch.add(req, n)
-                    admission.token_budget -= n
                     self.vtc.charge(req, prefill_tokens=n)
-            elif admitting and req.status is RequestStatus.WAITING and not batch.preempted:
+            elif admitting and req in waiting and not batch.preempted:
+                if req.status is not RequestStatus.WAITING or client_key(req) in skip:
+                    continue
                 decision, n = admission.try_add(req)
-                if decision is Decision.STOP and fair and self._make_seat(req, batch, admission):
-                    decision, n = admission.try_add(req)
+                if decision is Decision.STOP and fair:
+                    if self._make_seat(req, batch, admission):
+                        decision, n = admission.try_add(req)
+                    elif admission.only_seats_full:
+                        skip.add(client_key(req))  # no seat for it; a client below its
+                        continue  # share may still take one
                 if decision is Decision.STOP:
                     admitting = False  # running prompts may still take their chunks
                 elif decision is Decision.OVER_SHARE:

@@ -14,6 +14,12 @@ The budget stays within [min_chunk, max_tokens]: a long prompt always progresses
 first step is measured nothing caps it (the engine measures every step; model-free callers
 schedule as if uncapped); from then on it starts at `initial` until the loop moves it.
 
+With `average` (between clients, scheduler.py), the bound holds on average too: a step over
+`factor` x the reference leaves a debt of its excess, and until later steps have paid it (a
+reference step pays `factor` - 1 references) the budget is 0. A chunk that costs more than
+the bound even at `min_chunk` (deep in a long prompt, on a slow host) then runs only every
+few steps, so the decodes' average pace holds however expensive the chunk is.
+
 Why feedback on measured times rather than a token count fixed in advance or derived from a
 fitted cost model: the same chunk costs about one decode step on a GPU and a hundred on a
 small CPU, a chunk deep in a long prompt costs more than the first (attention over everything
@@ -28,7 +34,8 @@ from __future__ import annotations
 
 class StepPace:
     def __init__(self, factor: float, max_tokens: int, min_chunk: int = 16,
-                 initial: int = 256, probe_every: int = 8, smoothing: float = 0.3):
+                 initial: int = 256, probe_every: int = 8, smoothing: float = 0.3,
+                 average: bool = False):
         self.factor = factor  # 0: no cap, every step may take max_tokens
         self.max_tokens = max_tokens
         self.min_chunk = min(min_chunk, max_tokens)
@@ -38,6 +45,8 @@ class StepPace:
         self.decode_s: float | None = None  # reference: a decode-only step's time
         self.steps_since_reference = 0
         self.observed = False
+        self.average = average
+        self.debt = 0.0  # seconds over the bound not yet paid back (with `average`)
 
     def prefill_budget(self, num_decodes: int, long_prefill: bool = False) -> int:
         """Prefill tokens this step may carry beside `num_decodes` decodes. `long_prefill`: a
@@ -48,6 +57,8 @@ class StepPace:
         if num_decodes > 0 and long_prefill and (
                 self.decode_s is None or self.steps_since_reference >= self.probe_every):
             return 0
+        if num_decodes > 0 and self.debt > 0.0:
+            return 0
         return int(self.budget)
 
     def observe(self, num_decodes: int, num_prefill: int, seconds: float) -> None:
@@ -55,6 +66,8 @@ class StepPace:
         if seconds <= 0.0 or self.factor <= 0.0:
             return
         self.observed = True
+        if self.average and num_decodes > 0 and self.decode_s is not None:
+            self.debt = max(0.0, self.debt + seconds - self.factor * self.decode_s)
         if num_prefill == 0:
             if num_decodes > 0:
                 a = self.smoothing if self.decode_s is not None else 1.0
@@ -62,8 +75,8 @@ class StepPace:
                 self.steps_since_reference = 0
             return
         self.steps_since_reference += 1
-        if self.decode_s is None:
-            return
+        if self.decode_s is None or (self.average and num_decodes == 0):
+            return  # nothing to judge it by, or nobody it could have slowed
         ratio = seconds / self.decode_s
         if ratio <= self.factor and num_prefill < 0.9 * self.budget:
             return  # the budget did not bind: no evidence that more would fit
