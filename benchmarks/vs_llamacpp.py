@@ -59,9 +59,8 @@ class LlamaServer:
         par = max(c for c, *_ in WORKLOADS.values())
         cmd = [str(binary), "-m", str(model), "--port", str(self.port), "-t", str(threads),
                "-tb", str(threads), "-np", str(par), "-c", str(par * SLOT_CTX), "--no-webui",
-               "--lora-init-without-apply"]
-        for a in adapters:
-            cmd += ["--lora", str(a)]
+               "--lora-init-without-apply", "--lora", ",".join(str(a) for a in adapters)]
+        self.num_adapters = len(adapters)
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
 
@@ -72,11 +71,17 @@ class LlamaServer:
                 raise RuntimeError(f"llama-server exited with {self.proc.returncode}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
+                    break
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise TimeoutError("llama-server did not start")
+        else:
+            raise TimeoutError("llama-server did not start")
+        loaded = httpx.get(self.url + "/lora-adapters", timeout=10).json()
+        if len(loaded) != self.num_adapters:
+            raise RuntimeError(f"llama-server loaded {len(loaded)} adapters, not "
+                               f"{self.num_adapters}")
+        return self
 
     def __exit__(self, *exc) -> None:
         self.proc.terminate()
