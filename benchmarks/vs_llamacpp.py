@@ -77,10 +77,13 @@ class LlamaServer:
             time.sleep(0.5)
         else:
             raise TimeoutError("llama-server did not start")
+        # every adapter at scale 0 unless a request names it: --lora-init-without-apply alone
+        # left them at 1.0, so base requests ran all of them
+        zero = [{"id": i, "scale": 0.0} for i in range(self.num_adapters)]
+        httpx.post(self.url + "/lora-adapters", json=zero, timeout=10).raise_for_status()
         loaded = httpx.get(self.url + "/lora-adapters", timeout=10).json()
-        if len(loaded) != self.num_adapters:
-            raise RuntimeError(f"llama-server loaded {len(loaded)} adapters, not "
-                               f"{self.num_adapters}")
+        if [a["scale"] for a in loaded] != [0.0] * self.num_adapters:
+            raise RuntimeError(f"llama-server's adapters: {loaded}")
         return self
 
     def __exit__(self, *exc) -> None:
