@@ -59,9 +59,8 @@ class LlamaServer:
         par = max(c for c, *_ in WORKLOADS.values())
         cmd = [str(binary), "-m", str(model), "--port", str(self.port), "-t", str(threads),
                "-tb", str(threads), "-np", str(par), "-c", str(par * SLOT_CTX), "--no-webui",
-               "--lora-init-without-apply"]
-        for a in adapters:
-            cmd += ["--lora", str(a)]
+               "--lora-init-without-apply", "--lora", ",".join(str(a) for a in adapters)]
+        self.num_adapters = len(adapters)
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
 
@@ -72,11 +71,20 @@ class LlamaServer:
                 raise RuntimeError(f"llama-server exited with {self.proc.returncode}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
+                    break
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise TimeoutError("llama-server did not start")
+        else:
+            raise TimeoutError("llama-server did not start")
+        # every adapter at scale 0 unless a request names it: --lora-init-without-apply alone
+        # left them at 1.0, so base requests ran all of them
+        zero = [{"id": i, "scale": 0.0} for i in range(self.num_adapters)]
+        httpx.post(self.url + "/lora-adapters", json=zero, timeout=10).raise_for_status()
+        loaded = httpx.get(self.url + "/lora-adapters", timeout=10).json()
+        if [a["scale"] for a in loaded] != [0.0] * self.num_adapters:
+            raise RuntimeError(f"llama-server's adapters: {loaded}")
+        return self
 
     def __exit__(self, *exc) -> None:
         self.proc.terminate()
