@@ -164,12 +164,16 @@ def main() -> None:
     ap.add_argument("--configs", default="on,off")
     ap.add_argument("--max-num-seqs", type=int, default=16,
                     help="the server's --max-num-seqs, both configurations (scaled to the host)")
+    ap.add_argument("--server-flags", default="",
+                    help='more server flags for every configuration, e.g. '
+                         '"--tenant-pace-factor 1.25"')
     args = ap.parse_args()
     tmp = scratch_dir("tenancy")
     results: dict[str, list] = {}
     for r in range(args.rounds):
         for name in args.configs.split(","):
-            flags = [*COMMON, "--max-num-seqs", str(args.max_num_seqs), *CONFIGS[name]]
+            flags = [*COMMON, "--max-num-seqs", str(args.max_num_seqs), *CONFIGS[name],
+                     *args.server_flags.split()]
             load_before = os.getloadavg()[0]  # other jobs on the host inflate every ratio
             with Server(*flags, log_path=tmp / f"{name}-{r}.log") as srv:
                 res = asyncio.run(run_config(srv.url, srv.port, args))
