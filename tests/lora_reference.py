@@ -36,6 +36,17 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
+def argmax_loop(model, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens by recomputing the whole sequence each step (no cache, no processors:
+    HF's generate masks EOS under min_new_tokens, this does nothing of the kind)."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
+
+
 def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
     """HF greedy continuation of one unpadded prompt (a PeftModel or a plain model)."""
     from transformers import GenerationConfig

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from adapter_factory import build_peft_model, load_base_model
+from lora_reference import argmax_loop
 from model_factory import make_tiny_family
 
 from loraserve import LLM, SamplingParams
@@ -54,16 +55,6 @@ ADAPTERS = {
 }
 LENGTHS = [3, 17, 45, 90]  # 45 and 90: past llama3's original context and several chunks
 MAX_TOKENS = 8
-
-
-def argmax_loop(model, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens by recomputing the whole sequence each step (no cache, no processors)."""
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(n):
-            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt):]
 
 
 def prompts_for(seed: int) -> list[list[int]]:

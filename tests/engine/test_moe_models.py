@@ -15,8 +15,8 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 from adapter_factory import build_peft_model, load_base_model
+from lora_reference import argmax_loop
 from model_factory import make_tiny_family
 from moe_factory import MOE_FAMILIES
 
@@ -38,14 +38,6 @@ SHARED = dict(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_p
                                                  "o_proj"], seed=3, init_scale=0.5)
 LENGTHS = [3, 17, 40]  # 40: several chunks of 16
 MAX_TOKENS = 8
-
-
-def argmax_loop(model, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(n):
-            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 _CASES: dict[str, tuple] = {}

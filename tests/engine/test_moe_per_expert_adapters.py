@@ -11,22 +11,14 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from adapter_factory import load_base_model
+from lora_reference import argmax_loop
 from model_factory import make_tiny_family
 from moe_factory import MOE_FAMILIES, per_expert_adapter
 
 from loraserve import LLM, SamplingParams
 
 MAX_TOKENS = 8
-
-
-def argmax_loop(model, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(n):
-            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 @pytest.mark.parametrize("family", list(MOE_FAMILIES))
