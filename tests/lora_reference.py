@@ -6,6 +6,7 @@ that prompt alone with greedy decoding that never stops early (docs/design.md §
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
@@ -34,6 +35,20 @@ def make_adapters(base_dir: Path, root: Path, specs: dict[str, dict] | None = No
 
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def assert_interleaved_batch_matches(llm, prompts: dict, refs: dict, max_tokens: int,
+                                     label: tuple = ()) -> None:
+    """Every prompt of `prompts` ({adapter or None: [prompt, ...]}) in one greedy `generate`,
+    adapters and base rows shuffled together in the batch; each row's tokens must equal
+    `refs[(adapter, index)]`."""
+    keys = [(g, i) for g, ps in prompts.items() for i in range(len(ps))]
+    random.Random(0).shuffle(keys)
+    outs = llm.generate([prompts[g][i] for g, i in keys], greedy(max_tokens),
+                        lora=[g for g, _ in keys])
+    for key, out in zip(keys, outs, strict=True):
+        assert out.error is None, out.error
+        assert out.token_ids == refs[key], (*label, key)
 
 
 def argmax_loop(model, prompt: list[int], n: int) -> list[int]:

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from adapter_factory import build_peft_model, load_base_model
-from lora_reference import argmax_loop
+from lora_reference import argmax_loop, assert_interleaved_batch_matches
 from model_factory import make_tiny_family
 
-from loraserve import LLM, SamplingParams
+from loraserve import LLM
 from loraserve.config import ATTN_MODULES, LORA_MODULES
 
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -87,14 +87,7 @@ def test_family_mixed_batch_equals_transformers_and_peft(case, tmp_path):
     model_type, fields = CASES[case]
     base_dir, paths, prompts, refs = build_case(tmp_path, model_type, fields)
     llm = LLM(str(base_dir), lora_paths=paths, max_num_batched_tokens=16)
-    keys = [(g, i) for g, ps in prompts.items() for i in range(len(ps))]
-    random.Random(0).shuffle(keys)  # adapters and base interleaved in the batch
-    outs = llm.generate([prompts[g][i] for g, i in keys],
-                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
-                        lora=[g for g, _ in keys])
-    for key, out in zip(keys, outs, strict=True):
-        assert out.error is None, out.error
-        assert out.token_ids == refs[key], (case, key)
+    assert_interleaved_batch_matches(llm, prompts, refs, MAX_TOKENS, (case,))
 
 
 @pytest.mark.parametrize("case", ["llama3-rope", "linear-rope", "qwen3-yarn"])

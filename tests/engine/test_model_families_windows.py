@@ -10,9 +10,8 @@ the CPU backend's C decode kernel, its gather + SDPA path, or the triton kernel 
 
 from __future__ import annotations
 
-import random
-
 import pytest
+from lora_reference import assert_interleaved_batch_matches
 from test_model_families import MAX_TOKENS, argmax_loop, prompts_for
 
 from loraserve import LLM, SamplingParams
@@ -94,14 +93,7 @@ def test_family_equals_transformers_and_peft(case, tmp_path, monkeypatch):
     backend = "triton" if path == "triton" else "cpu"
     llm = LLM(str(base_dir), lora_paths=paths, max_num_batched_tokens=16,
               attention_backend=backend)
-    keys = [(g, i) for g, ps in prompts.items() for i in range(len(ps))]
-    random.Random(0).shuffle(keys)
-    outs = llm.generate([prompts[g][i] for g, i in keys],
-                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
-                        lora=[g for g, _ in keys])
-    for key, out in zip(keys, outs, strict=True):
-        assert out.error is None, out.error
-        assert out.token_ids == refs[key], (case, key)
+    assert_interleaved_batch_matches(llm, prompts, refs, MAX_TOKENS, (case,))
 
 
 @pytest.mark.parametrize("case", ["mistral-window", "gemma2", "gemma3", "granite"])

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from adapter_factory import build_peft_model, load_base_model
-from lora_reference import argmax_loop
+from lora_reference import argmax_loop, assert_interleaved_batch_matches
 from model_factory import make_tiny_family
 from moe_factory import MOE_FAMILIES
 
@@ -97,14 +97,7 @@ def _check(tmp_path_factory, family: str, backend: str, first_only: bool = False
     llm = LLM(str(base_dir), lora_paths=paths, max_num_batched_tokens=16,
               lora_backend=backend, **knobs)
     assert llm.engine.info.lora_backend == backend
-    keys = [(g, i) for g, ps in prompts.items() for i in range(len(ps))]
-    random.Random(0).shuffle(keys)  # adapters and base interleaved in the batch
-    outs = llm.generate([prompts[g][i] for g, i in keys],
-                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
-                        lora=[g for g, _ in keys])
-    for key, out in zip(keys, outs, strict=True):
-        assert out.error is None, out.error
-        assert out.token_ids == refs[key], (family, backend, key)
+    assert_interleaved_batch_matches(llm, prompts, refs, MAX_TOKENS, (family, backend))
 
 
 def test_expert_lora_counts_in_adapter_memory(tmp_path_factory):

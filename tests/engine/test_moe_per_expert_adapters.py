@@ -12,11 +12,11 @@ import random
 
 import pytest
 from adapter_factory import load_base_model
-from lora_reference import argmax_loop
+from lora_reference import argmax_loop, assert_interleaved_batch_matches
 from model_factory import make_tiny_family
 from moe_factory import MOE_FAMILIES, per_expert_adapter
 
-from loraserve import LLM, SamplingParams
+from loraserve import LLM
 
 MAX_TOKENS = 8
 
@@ -44,15 +44,7 @@ def test_per_expert_adapters_equal_their_merged_weights(family, tmp_path):
             peft = PeftModel.from_pretrained(load_base_model(base_dir), tmp_path / g).eval()
             assert all(argmax_loop(peft, p, MAX_TOKENS) == refs[(g, i)]
                        for i, p in enumerate(prompts[g]))
-    keys = [(g, i) for g, ps in prompts.items() for i in range(len(ps))]
-    random.Random(0).shuffle(keys)
     for backend in ("torch", "cpu"):
         llm = LLM(str(base_dir), lora_paths={g: str(tmp_path / g) for g in merged},
                   max_num_batched_tokens=16, lora_backend=backend)
-        outs = llm.generate([prompts[g][i] for g, i in keys],
-                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                           ignore_eos=True),
-                            lora=[g for g, _ in keys])
-        for key, out in zip(keys, outs, strict=True):
-            assert out.error is None, out.error
-            assert out.token_ids == refs[key], (family, backend, key)
+        assert_interleaved_batch_matches(llm, prompts, refs, MAX_TOKENS, (family, backend))
