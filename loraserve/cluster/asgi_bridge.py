@@ -95,7 +95,7 @@ async def stream_app(app, req: HttpRequest) -> AsyncIterator[HttpHead | bytes | 
     scope = _scope(req)
     task = asyncio.ensure_future(app(scope, receive, send))
     task.add_done_callback(lambda t: out.put_nowait(None))  # wakes the reader at the end
-    complete = False
+    complete = usage_sent = False
     try:
         while True:
             msg = await out.get()
@@ -105,6 +105,10 @@ async def stream_app(app, req: HttpRequest) -> AsyncIterator[HttpHead | bytes | 
                 yield HttpHead(msg["status"], tuple((bytes(k), bytes(v))
                                                     for k, v in msg.get("headers", ())))
             elif msg["type"] == "http.response.body":
+                if not usage_sent and (used := scope["state"].get(USAGE_KEY)) is not None:
+                    # before the last bytes: the ingress charges it before the client sees them
+                    usage_sent = True
+                    yield HttpUsage(int(used))
                 if msg.get("body"):
                     yield bytes(msg["body"])
                 if not msg.get("more_body", False):
@@ -120,7 +124,7 @@ async def stream_app(app, req: HttpRequest) -> AsyncIterator[HttpHead | bytes | 
     if not complete:  # the app ended without a response: our bug, but answer the client
         log.error("the server app ended without a complete response for %s %s", req.method,
                   req.path)
-    elif (used := scope["state"].get(USAGE_KEY)) is not None:
+    elif not usage_sent and (used := scope["state"].get(USAGE_KEY)) is not None:
         yield HttpUsage(int(used))
 
 

@@ -138,10 +138,25 @@ class QuotaMiddleware:
             await send({"type": "http.response.body",
                         "body": error_bytes(429, message, f"rate_limit_{which}")})
             return
+        charged = False
+
+        def charge() -> None:
+            nonlocal charged
+            if not charged:
+                charged = True
+                self.gate.finish(tenant, int(scope["state"].get(USAGE_KEY, 0)))
+
+        async def send_charging(message: dict) -> None:
+            # Charge before the answer's bytes go out: a client that reads the whole answer and
+            # asks again at once must meet the bucket already drawn down.
+            if message["type"] == "http.response.body" and USAGE_KEY in scope["state"]:
+                charge()
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send_charging)
         finally:
-            self.gate.finish(tenant, int(scope["state"].get(USAGE_KEY, 0)))
+            charge()
 
 
 def record_usage(scope: Scope, tokens: int) -> None:

@@ -246,6 +246,7 @@ async def _stream(streams, timers, lp, rid, model, chat, include_usage, prompt_t
         else:
             if include_usage:
                 yield chunk([], P.usage(prompt_tokens, completion, cached))
+        record_usage(scope, prompt_tokens + sum(t.n for t in timers))  # charged before [DONE]
         yield sse("[DONE]")
     finally:  # client gone (cancelled) or done: free every sequence's blocks now
         for s in streams:

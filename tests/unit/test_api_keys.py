@@ -93,3 +93,46 @@ def test_max_concurrent_and_a_limit_changed_on_reload():
     gate.finish(t, 0)
     assert gate.admit(t) is None
     assert gate.admit(Tenant("a", max_concurrent=2)) is None  # the reloaded limit applies
+
+
+def test_usage_is_charged_before_the_answer_leaves():
+    """A client that reads a whole answer and asks again at once must meet the drawn-down
+    bucket: the middleware charges before the body is sent, not after the app returns."""
+    import asyncio
+
+    from loraserve.server.quotas import QuotaMiddleware, record_usage
+
+    t = Tenant("a", tokens_per_minute=40)
+    gate = QuotaGate(Clock())
+    seen = []
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        record_usage(scope, 63)
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def send(message):
+        seen.append((message["type"], gate.usage["a"].tokens))
+
+    scope = {"type": "http", "path": "/v1/completions", "state": {"tenant": t}}
+    asyncio.run(QuotaMiddleware(app, gate)(scope, None, send))
+    assert seen == [("http.response.start", 0), ("http.response.body", 63)]
+    assert gate.usage["a"].in_flight == 0 and gate.admit(t)[0] == "tokens_per_minute"
+
+
+def test_the_replica_bridge_reports_usage_before_the_last_bytes():
+    import asyncio
+
+    from loraserve.cluster.asgi_bridge import HttpRequest, HttpUsage, stream_app
+    from loraserve.server.quotas import record_usage
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        record_usage(scope, 7)
+        await send({"type": "http.response.body", "body": b"answer"})
+
+    async def items():
+        return [x async for x in stream_app(app, HttpRequest("POST", "/v1/completions"))]
+
+    out = asyncio.run(items())
+    assert out[1:] == [HttpUsage(7), b"answer"]
