@@ -50,21 +50,38 @@ def client(address: str) -> httpx.AsyncClient:
                              timeout=httpx.Timeout(900.0))
 
 
-async def well_behaved(url: str, address: str, until: float, out: list, think_s: float):
-    """Sequential short requests until `until`; (latency, finished) per request."""
+async def well_behaved(url: str, address: str, until: float, out: list, think_s: float,
+                       stream: bool):
+    """Sequential short requests until `until`; (latency, finished, time to first token) per
+    request (streamed, the first token's time is seen; whole answers: it is the latency)."""
     async with client(address) as c:
         while time.monotonic() < until:
             start = time.monotonic()
-            task = asyncio.ensure_future(c.post(url + "/v1/completions", json=SHORT))
+            first: list[float] = []
+            task = asyncio.ensure_future(_read_stream(c, url, start, first) if stream
+                                         else _read_whole(c, url, start, first))
             done, _ = await asyncio.wait({task}, timeout=max(0.0, until - start) + 5.0)
             if not done:  # still waiting when the phase ended: a lower bound
                 task.cancel()
-                out.append((time.monotonic() - start, False))
+                now = time.monotonic() - start
+                out.append((now, False, first[0] if first else now))
                 return
-            r = task.result()
-            r.raise_for_status()
-            out.append((time.monotonic() - start, True))
+            task.result()
+            out.append((time.monotonic() - start, True, first[0]))
             await asyncio.sleep(think_s)
+
+
+async def _read_whole(c: httpx.AsyncClient, url: str, start: float, first: list) -> None:
+    (await c.post(url + "/v1/completions", json=SHORT)).raise_for_status()
+    first.append(time.monotonic() - start)
+
+
+async def _read_stream(c: httpx.AsyncClient, url: str, start: float, first: list) -> None:
+    async with c.stream("POST", url + "/v1/completions", json={**SHORT, "stream": True}) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {") and not first:
+                first.append(time.monotonic() - start)
 
 
 async def repeat(url: str, address: str, body: dict):
@@ -115,21 +132,26 @@ async def sample_state(url: str, seen: dict):
             await asyncio.sleep(2.0)
 
 
-def stats(samples: list[tuple[float, bool]], idle: float) -> dict:
-    lat = sorted(s for s, _ in samples)
-    p = statistics.quantiles(lat, n=100, method="inclusive") if len(lat) > 1 else lat * 99
-    return {"n": len(lat), "unfinished": sum(1 for _, ok in samples if not ok),
-            "p50_s": round(statistics.median(lat), 3), "p99_s": round(p[98], 3),
+def stats(samples: list[tuple[float, bool, float]], idle: float) -> dict:
+    lat = sorted(s[0] for s in samples)
+    ttft = sorted(s[2] for s in samples)
+    return {"n": len(lat), "unfinished": sum(1 for s in samples if not s[1]),
+            "p50_s": round(statistics.median(lat), 3), "p99_s": round(_p99(lat), 3),
             "p50_over_idle": round(statistics.median(lat) / idle, 2),
-            "p99_over_idle": round(p[98] / idle, 2)}
+            "p99_over_idle": round(_p99(lat) / idle, 2),
+            "ttft_p50_s": round(statistics.median(ttft), 3), "ttft_p99_s": round(_p99(ttft), 3)}
+
+
+def _p99(xs: list[float]) -> float:
+    return statistics.quantiles(xs, n=100, method="inclusive")[98] if len(xs) > 1 else xs[0]
 
 
 async def run_config(url: str, port: int, args) -> dict:
     wb = ["127.0.0.5", "127.0.0.6", "127.0.0.7"]
     idle: list = []
     until = time.monotonic() + args.idle_s
-    await asyncio.gather(*(well_behaved(url, a, until, idle, 0.0) for a in wb))
-    idle_p50 = statistics.median(s for s, _ in idle)
+    await asyncio.gather(*(well_behaved(url, a, until, idle, 0.0, args.stream) for a in wb))
+    idle_p50 = statistics.median(s[0] for s in idle)
     long_prompt = [1000 + (7919 * i) % 40000 for i in range(args.long_tokens)]
     heavy = [
         asyncio.ensure_future(repeat(url, "127.0.0.2", {"prompt": long_prompt, "max_tokens": 16,
@@ -144,7 +166,7 @@ async def run_config(url: str, port: int, args) -> dict:
     await asyncio.sleep(args.warmup_s)  # the heavy clients are in flight
     loaded: list = []
     until = time.monotonic() + args.duration
-    await asyncio.gather(*(well_behaved(url, a, until, loaded, 0.2) for a in wb))
+    await asyncio.gather(*(well_behaved(url, a, until, loaded, 0.2, args.stream) for a in wb))
     for t in heavy:
         t.cancel()
     await asyncio.gather(*heavy, return_exceptions=True)
@@ -162,6 +184,8 @@ def main() -> None:
     ap.add_argument("--slow", type=int, default=24, help="slow-reading streams")
     ap.add_argument("--long-tokens", type=int, default=7000)
     ap.add_argument("--configs", default="on,off")
+    ap.add_argument("--whole", dest="stream", action="store_false",
+                    help="the well-behaved clients ask for whole answers instead of streams")
     ap.add_argument("--max-num-seqs", type=int, default=16,
                     help="the server's --max-num-seqs, both configurations (scaled to the host)")
     ap.add_argument("--server-flags", default="",
@@ -183,6 +207,7 @@ def main() -> None:
                   f"{json.dumps(res['loaded'])}; most at once {res['most_at_once']}; host load "
                   f"{res['host_load_1min']}", flush=True)
     name = "tenancy" if args.max_num_seqs == 16 else f"tenancy-seqs{args.max_num_seqs}"
+    name += "" if args.stream else "-whole"
     path = write_result(name, {"args": vars(args), "server_flags": COMMON,
                                     "configs": CONFIGS, "results": results})
     print(f"wrote {path}")

@@ -113,12 +113,14 @@ def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = No
     from loraserve.server.app import create_app
     from loraserve.server.send_buffer import bounded_h11_protocol
     from loraserve.server.shutdown import GracefulServer
+    from loraserve.server.startup_heap import freeze_startup_heap
 
     engine = _load_engine(args.model, config, adapters, log)
     log.info("model %s from %s; %d adapters; LoRA backend %s; runtime adapter updates %s",
              engine.info.model_name, engine.info.model_path, engine.store.num_registered,
              engine.info.lora_backend, "on" if settings.runtime_lora_updates else "off")
     app = create_app(AsyncEngine(engine), settings)
+    log.debug("%d start-up objects frozen out of the garbage collector", freeze_startup_heap())
     http = bounded_h11_protocol(args.send_buffer_bytes) if args.send_buffer_bytes > 0 else "h11"
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, http=http,
                                log_level=args.log_level,

@@ -50,6 +50,7 @@ class EngineReplica:
         from loraserve.engine.async_engine import AsyncEngine
         from loraserve.engine.engine import LLMEngine
         from loraserve.server.app import create_app
+        from loraserve.server.startup_heap import freeze_startup_heap
 
         config = spec.engine
         if config.num_threads is None:  # one torch thread per reserved CPU, not all cores
@@ -61,6 +62,7 @@ class EngineReplica:
         # the ingress enforces the tenants' limits for the whole deployment
         self.app = create_app(self.aengine, spec.settings, enforce_quotas=False)
         self.ctx = self.app.state.ctx
+        freeze_startup_heap()  # this actor's process serves for its whole life
         self.spec = spec
         self.registry = registry
         self.replica_id = serve.get_replica_context().replica_id.unique_id
