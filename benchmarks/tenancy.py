@@ -174,6 +174,18 @@ async def run_config(url: str, port: int, args) -> dict:
             "idle_p50_s": round(idle_p50, 3), "most_at_once": seen}
 
 
+def cpu_ticks() -> list[int]:
+    """The host's CPU time counters (/proc/stat): steal, time the hypervisor gave this VM's
+    CPUs to others, slows every step without showing in the load average."""
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1:]]
+
+
+def steal_pct(before: list[int], after: list[int]) -> float:
+    d = [a - b for a, b in zip(after, before, strict=True)]
+    return round(100.0 * d[7] / max(1, sum(d)), 1)  # field 8: steal
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--duration", type=float, default=150.0, help="load phase, seconds")
@@ -199,13 +211,15 @@ def main() -> None:
             flags = [*COMMON, "--max-num-seqs", str(args.max_num_seqs), *CONFIGS[name],
                      *args.server_flags.split()]
             load_before = os.getloadavg()[0]  # other jobs on the host inflate every ratio
+            steal_before = cpu_ticks()
             with Server(*flags, log_path=tmp / f"{name}-{r}.log") as srv:
                 res = asyncio.run(run_config(srv.url, srv.port, args))
             res["host_load_1min"] = [round(load_before, 1), round(os.getloadavg()[0], 1)]
+            res["steal_pct"] = steal_pct(steal_before, cpu_ticks())
             results.setdefault(name, []).append(res)
             print(f"round {r} {name}: idle p50 {res['idle_p50_s']} s; loaded "
                   f"{json.dumps(res['loaded'])}; most at once {res['most_at_once']}; host load "
-                  f"{res['host_load_1min']}", flush=True)
+                  f"{res['host_load_1min']}; steal {res['steal_pct']}%", flush=True)
     name = "tenancy" if args.max_num_seqs == 16 else f"tenancy-seqs{args.max_num_seqs}"
     name += "" if args.stream else "-whole"
     path = write_result(name, {"args": vars(args), "server_flags": COMMON,

@@ -19,6 +19,7 @@ from loraserve.request import Request, RequestStatus
 from loraserve.scheduler.admission import AdapterResidency, Admission, Decision
 from loraserve.scheduler.batch import ScheduledBatch, StepOutput
 from loraserve.scheduler.fair_share import client_key
+from loraserve.scheduler.newcomers import Newcomers
 from loraserve.scheduler.queues import RequestQueues
 from loraserve.scheduler.row_share import split_rows
 from loraserve.scheduler.step_pace import StepPace
@@ -93,10 +94,10 @@ class Scheduler(RequestQueues):
             paced_budget = min(paced_budget, self.tenant_pace.prefill_budget(
                 batch.num_decodes, bool(prefilling or paced)))
             # a step left to the protected decodes (a reference, or a debt paid back) still
-            # admits a client that has nothing running: its first chunk, at most min_chunk
+            # gives each client that is new (newcomers.py) its first chunk, min_chunk at most
             newcomers_only = paced_budget == 0
             if newcomers_only:
-                paced_budget = self.tenant_pace.min_chunk
+                paced_budget = budget
         admission = Admission(self.config, self.kv, self.adapters, self.running,
                               min(budget, paced_budget), list(self.waiting), self.share_key)
         self._schedule_paced(batch, admission, prefilling, paced, newcomers_only)
@@ -159,25 +160,32 @@ class Scheduler(RequestQueues):
                         newcomers_only: bool) -> None:
         """Waiting requests' admission, running prompts' next chunks and paced decodes, in
         fair order (FCFS, running chunks first, when fair scheduling is off).
-        `newcomers_only`: admit only requests of clients with nothing running. No admission
+        `newcomers_only`: only new clients start (newcomers.py). No admission
         in a step that had to preempt: the pool is full."""
         fair = self.config.fair_scheduling
         if fair:
             order = self.vtc.order([*prefilling, *self.waiting, *paced])
         else:
             order = iter([*prefilling, *self.waiting])
-        # clients none of whose requests is admitted this step
-        skip = {client_key(r) for r in self.running} if newcomers_only else set()
+        newcomers = (Newcomers(self.running, self.tenant_pace.min_chunk, admission.token_budget)
+                     if newcomers_only else None)
+        skip: set[str | None] = set()  # clients none of whose requests is admitted this step
         waiting, paced_rows = set(self.waiting), set(paced)  # (one preempted on the way is
         # neither: it comes back in a later step)
         deferred: list[Request] = []
         admitting = True
         for req in order:
+            if newcomers is not None:
+                if not newcomers.may_take(req, req in paced_rows):
+                    continue
+                admission.token_budget = newcomers.chunk()
             if req.status is RequestStatus.RUNNING:
                 n = min(req.num_tokens - req.num_computed_tokens, admission.token_budget)
-                if newcomers_only or n <= 0 or not self._reserve(req, n, batch):
+                if n <= 0 or not self._reserve(req, n, batch):
                     continue
                 admission.token_budget -= n
+                if newcomers is not None:
+                    newcomers.took(req, n)
                 if req in paced_rows:
                     batch.add_decode(req)
                     self.vtc.charge(req, decode_tokens=1)
@@ -200,7 +208,9 @@ class Scheduler(RequestQueues):
                     deferred.append(req)
                 elif decision is Decision.ADMIT:
                     self._start(req, n, batch)
-        if not admitting or batch.preempted:
+                    if newcomers is not None:
+                        newcomers.took(req, n)
+        if not admitting or batch.preempted or newcomers is not None:
             return
         # What is left after every client had its share goes to the deferred, in order: the
         # share orders admission, it never leaves a seat empty.

@@ -90,6 +90,32 @@ def test_debt_steps_still_admit_a_newcomer_but_no_paced_work():
     assert all(r.request_id != "new2" for r, _ in step(s).entries)
 
 
+def test_each_newcomer_gets_its_own_first_chunk_in_a_debt_step():
+    """Three short prompts arriving together in a debt step each start whole (a budget shared
+    between them had cut the last one, which then waited for the debt like paced work); a
+    prompt longer than one chunk finishes its rest in the next debt step; the long prompt
+    waits throughout."""
+    s = make(kv_tokens=8192, max_num_seqs=8, max_num_batched_tokens=512)
+    long = creq("long", 2000, "a", max_tokens=2)
+    s.add(creq("light", 4, "b", max_tokens=50))  # decoding: the debt is paid for it
+    s.add(long)
+    step(s)
+    s.tenant_pace.observe(1, 0, 0.010)
+    s.tenant_pace.debt = 1.0
+    chunk = s.tenant_pace.min_chunk
+    short = [creq(f"s{i}", 12, f"c{i}", max_tokens=3) for i in range(3)]
+    longer = creq("longer", chunk + 5, "d", max_tokens=3)
+    for r in [*short, longer]:
+        s.add(r)
+    batch = step(s)
+    fed = {r.request_id: n for r, n in batch.entries}
+    assert fed == {"light": 1, "s0": 12, "s1": 12, "s2": 12, "longer": chunk}
+    assert all(r.num_output_tokens == 1 for r in short)  # whole prompts: a token each
+    batch = step(s)  # still in debt: the rest of "longer", the short ones' decodes
+    fed = {r.request_id: n for r, n in batch.entries}
+    assert fed.get("longer") == 5 and "long" not in fed
+
+
 def test_one_client_is_paced_as_before():
     s = make(kv_tokens=8192, max_num_seqs=8)
     reqs = [creq(f"r{i}", 4, "a", max_tokens=6, origin=f"o{i}") for i in range(8)]
