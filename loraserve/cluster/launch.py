@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 
 from loraserve.cluster.spec import APP_NAME, ClusterSpec
+from loraserve.openmp_env import SERVING_OPENMP_ENV
 
 log = logging.getLogger("loraserve.cluster")
 OBJECT_STORE_BYTES = 128 * 1024 * 1024  # Ray's floor is 75 MiB
@@ -24,7 +25,9 @@ def start_ray(spec: ClusterSpec, log_to_driver: bool = True) -> None:
     import ray
 
     cl = spec.cluster
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
+    # replicas step their engine on a thread of their own, as a direct server does
+    openmp = {k: os.environ.get(k, v) for k, v in SERVING_OPENMP_ENV.items()}
+    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", **openmp}}
     if cl.ray_address:
         ray.init(address=cl.ray_address, runtime_env=env, log_to_driver=log_to_driver)
         return

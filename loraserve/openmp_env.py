@@ -1,0 +1,30 @@
+"""OpenMP's wait policy for a process whose engine steps run on a thread of their own.
+
+Every thread that starts a parallel region gets its own team of OpenMP workers: in a server
+the main thread has one (the model is built there) and the engine thread another. With more
+OpenMP threads than CPUs, GNU OpenMP (the runtime torch and our C kernels use) cuts how long
+an idle worker spins before it sleeps to 100 spins, so each of a step's few hundred parallel
+regions starts by waking sleeping workers: a batch-1 decode step on the engine thread ran at
+0.6x the speed of the same step on the main thread (benchmarks/vs_llamacpp.py measures the
+server). OMP_WAIT_POLICY=ACTIVE raises the cut spin count to 1,000 (enough to bridge the
+gaps between a step's regions), and GOMP_SPINCOUNT bounds the spin of an idle worker that
+is not cut to its default (300,000 spins), so an idle server does not keep its cores busy.
+
+Both are read once, when the runtime loads with torch: set them before torch is imported.
+A value the user set wins."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+SERVING_OPENMP_ENV = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "300000"}
+
+
+def prefer_spinning_workers() -> bool:
+    """Set the serving defaults where unset; False if torch is already loaded (too late)."""
+    if "torch" in sys.modules:
+        return False
+    for name, value in SERVING_OPENMP_ENV.items():
+        os.environ.setdefault(name, value)
+    return True
