@@ -4,9 +4,9 @@ Every thread that starts a parallel region gets its own team of OpenMP workers: 
 the main thread has one (the model is built there) and the engine thread another. With more
 OpenMP threads than CPUs, GNU OpenMP (the runtime torch and our C kernels use) cuts how long
 an idle worker spins before it sleeps to 100 spins, so each of a step's few hundred parallel
-regions starts by waking sleeping workers: a batch-1 decode step on the engine thread ran at
-0.6x the speed of the same step on the main thread (benchmarks/vs_llamacpp.py measures the
-server). OMP_WAIT_POLICY=ACTIVE raises the cut spin count to 1,000 (enough to bridge the
+regions starts by waking sleeping workers, and a batch-1 decode step on the engine thread is
+far slower than the same step on the main thread (benchmarks/vs_llamacpp.py measures the
+server; docs/benchmarks.md has the figures). OMP_WAIT_POLICY=ACTIVE raises the cut spin count to 1,000 (enough to bridge the
 gaps between a step's regions), and GOMP_SPINCOUNT bounds the spin of an idle worker that
 is not cut to its default (300,000 spins), so an idle server does not keep its cores busy.
 

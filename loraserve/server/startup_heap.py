@@ -2,8 +2,8 @@
 
 A serving process holds a few million long-lived objects from start-up (the model's modules,
 torch, transformers, the tokenizer, FastAPI's routes). Python's full (generation-2) collection
-walks all of them: in a loaded server one took up to 0.2 s, and it runs on whichever thread
-allocates, holding the GIL, so the engine's step and every response wait for it.
+walks all of them, on whichever thread allocates, holding the GIL: the engine's step and
+every response wait for it (docs/tenancy.md has what it cost).
 `gc.freeze()` after a collection moves what is alive now to a permanent generation the
 collector never walks; garbage made while serving is collected as before. vLLM and SGLang
 freeze their start-up heap for the same reason. Called once per serving process, after the
