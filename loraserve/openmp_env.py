@@ -6,9 +6,10 @@ OpenMP threads than CPUs, GNU OpenMP (the runtime torch and our C kernels use) c
 an idle worker spins before it sleeps to 100 spins, so each of a step's few hundred parallel
 regions starts by waking sleeping workers, and a batch-1 decode step on the engine thread is
 far slower than the same step on the main thread (benchmarks/vs_llamacpp.py measures the
-server; docs/benchmarks.md has the figures). OMP_WAIT_POLICY=ACTIVE raises the cut spin count to 1,000 (enough to bridge the
-gaps between a step's regions), and GOMP_SPINCOUNT bounds the spin of an idle worker that
-is not cut to its default (300,000 spins), so an idle server does not keep its cores busy.
+server; docs/benchmarks.md has the figures). OMP_WAIT_POLICY=ACTIVE raises the cut spin
+count to 1,000 (enough to bridge the gaps between a step's regions), and GOMP_SPINCOUNT
+bounds the spin of an idle worker that is not cut to its default (300,000 spins), so an idle
+server does not keep its cores busy.
 
 Both are read once, when the runtime loads with torch: set them before torch is imported.
 A value the user set wins."""

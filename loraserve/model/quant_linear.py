@@ -14,37 +14,46 @@ import logging
 import torch
 
 from loraserve.model.linear import BiasedLinear, Linear
-from loraserve.ops.qgemm import load_qgemm, qlinear
-from loraserve.ops.quant_formats import QuantWeight, quantize_int4, quantize_int8, supports
+from loraserve.ops.q8_panel import load_q8_panel, pack_q8_row, q8_panel_linear
+from loraserve.ops.qgemm import check_input, load_qgemm, qlinear
+from loraserve.ops.quant_formats import Q8_ROW, QuantWeight, quantize_int4, quantize_int8, supports
 
 log = logging.getLogger("loraserve.model")
 QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
 
 
 class QuantLinear:
-    """A bias-free projection over a quantized `[d_out, d_in]` weight."""
+    """A bias-free projection over a quantized `[d_out, d_in]` weight. int8 per-channel
+    weights go into the panels of the VNNI micro-kernel where the host has it (ops/q8_panel.py;
+    the dot-order copy is not kept), every other format stays in dot order (ops/qgemm.py)."""
 
     panels = None  # not our float32 GEMM's layout: LoRA deltas are added after the product
 
     def __init__(self, qweight: QuantWeight):
-        self.qweight = qweight
         self.out_features, self.in_features = qweight.out_features, qweight.in_features
+        self.format = qweight.source
+        self._panel_lib = load_q8_panel() if qweight.kind == Q8_ROW else None
+        if self._panel_lib is not None:
+            self.qweight, self.q8_panels = None, pack_q8_row(qweight)
+        else:
+            self.qweight, self.q8_panels = qweight, None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, d_in] -> [T, d_out]
+        if self.q8_panels is not None:
+            check_input(x, self.in_features)
+            return q8_panel_linear(x, self.q8_panels, self._panel_lib)
         return qlinear(x, self.qweight)
-
-    @property
-    def format(self) -> str:
-        return self.qweight.source
 
     @property
     def weight(self) -> torch.Tensor:
         """The float32 weight the quantized one stands for (decoded: a copy)."""
+        if self.q8_panels is not None:
+            return self.q8_panels.dequantize()
         return self.qweight.dequantize()
 
     @property
     def nbytes(self) -> int:
-        return self.qweight.nbytes
+        return (self.q8_panels or self.qweight).nbytes
 
 
 class BiasedQuantLinear(QuantLinear):

@@ -39,17 +39,22 @@ def qgemm_isa(lib: ctypes.CDLL | None = None) -> str | None:
     return None if lib is None else ISA_NAMES[lib.qgemm_isa()]
 
 
+def check_input(x: torch.Tensor, in_features: int) -> None:
+    """What the quantized kernels take: float32 `[T, in_features]` on the CPU."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise TypeError(f"the quantized GEMM takes float32 CPU inputs, not {x.dtype} on "
+                        f"{x.device}")
+    if x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"input of shape {list(x.shape)} for a weight of "
+                         f"{in_features} inputs")
+
+
 def qlinear(x: torch.Tensor, w: QuantWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x @ W.T: x float32 `[T, in_features]` on the CPU (row stride free) -> `[T, out]`."""
     lib = lib if lib is not None else load_qgemm()
     if lib is None:
         raise RuntimeError("the quantized GEMM kernel is not available on this host")
-    if x.dtype != torch.float32 or x.device.type != "cpu":
-        raise TypeError(f"the quantized GEMM takes float32 CPU inputs, not {x.dtype} on "
-                        f"{x.device}")
-    if x.dim() != 2 or x.shape[1] != w.in_features:
-        raise ValueError(f"input of shape {list(x.shape)} for a weight of "
-                         f"{w.in_features} inputs")
+    check_input(x, w.in_features)
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
