@@ -14,46 +14,46 @@ import logging
 import torch
 
 from loraserve.model.linear import BiasedLinear, Linear
-from loraserve.ops.q8_panel import load_q8_panel, pack_q8_row, q8_panel_linear
 from loraserve.ops.qgemm import check_input, load_qgemm, qlinear
-from loraserve.ops.quant_formats import Q8_ROW, QuantWeight, quantize_int4, quantize_int8, supports
+from loraserve.ops.qpanel import PANEL_KINDS, load_qpanel, pack_panels, qpanel_linear
+from loraserve.ops.quant_formats import QuantWeight, quantize_int4, quantize_int8, supports
 
 log = logging.getLogger("loraserve.model")
 QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
 
 
 class QuantLinear:
-    """A bias-free projection over a quantized `[d_out, d_in]` weight. int8 per-channel
-    weights go into the panels of the VNNI micro-kernel where the host has it (ops/q8_panel.py;
-    the dot-order copy is not kept), every other format stays in dot order (ops/qgemm.py)."""
+    """A bias-free projection over a quantized `[d_out, d_in]` weight: in the panels of the
+    VNNI micro-kernel where the host has it and the format has them (ops/qpanel.py; the
+    dot-order copy is not kept), else in dot order (ops/qgemm.py)."""
 
     panels = None  # not our float32 GEMM's layout: LoRA deltas are added after the product
 
     def __init__(self, qweight: QuantWeight):
         self.out_features, self.in_features = qweight.out_features, qweight.in_features
         self.format = qweight.source
-        self._panel_lib = load_q8_panel() if qweight.kind == Q8_ROW else None
+        self._panel_lib = load_qpanel() if qweight.kind in PANEL_KINDS else None
         if self._panel_lib is not None:
-            self.qweight, self.q8_panels = None, pack_q8_row(qweight)
+            self.qweight, self.panels_q = None, pack_panels(qweight)
         else:
-            self.qweight, self.q8_panels = qweight, None
+            self.qweight, self.panels_q = qweight, None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, d_in] -> [T, d_out]
-        if self.q8_panels is not None:
+        if self.panels_q is not None:
             check_input(x, self.in_features)
-            return q8_panel_linear(x, self.q8_panels, self._panel_lib)
+            return qpanel_linear(x, self.panels_q, self._panel_lib)
         return qlinear(x, self.qweight)
 
     @property
     def weight(self) -> torch.Tensor:
         """The float32 weight the quantized one stands for (decoded: a copy)."""
-        if self.q8_panels is not None:
-            return self.q8_panels.dequantize()
+        if self.panels_q is not None:
+            return self.panels_q.dequantize()
         return self.qweight.dequantize()
 
     @property
     def nbytes(self) -> int:
-        return (self.q8_panels or self.qweight).nbytes
+        return (self.panels_q or self.qweight).nbytes
 
 
 class BiasedQuantLinear(QuantLinear):

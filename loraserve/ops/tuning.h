@@ -60,6 +60,16 @@
 /* M * N * K below which a product runs on one thread, as GEMM_PARALLEL_MIN */
 #define QGEMM_PARALLEL_MIN (1 << 18)
 
+/* ---- Quantized panel GEMM (ops/qpanel_gemm.c) -------------------------------------------- */
+
+/* rows of x per panel pass: one int32 and one float32 accumulator of 16 lanes each, with the
+ * panel's weights and the broadcast bytes, within AVX-512's 32 registers (memory_floor.py) */
+#define QPANEL_TILE_ROWS 4
+/* M * K below which the activations are quantized on one thread; N * K below which the panels
+ * are: under these a parallel region costs more than it splits */
+#define QPANEL_QUANTIZE_PARALLEL_MIN 8192
+#define QPANEL_PARALLEL_MIN 65536
+
 /* ---- The fused decode op's fetch streams (lora/fused_tile.h) ----------------------------- */
 
 /* A stream fetches one line every FETCH_STRIDE k steps, or every FETCH_STRIDE / 2, or every
