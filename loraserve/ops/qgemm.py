@@ -49,19 +49,26 @@ def check_input(x: torch.Tensor, in_features: int) -> None:
                          f"{in_features} inputs")
 
 
+def call_buffers(x: torch.Tensor, out_features: int, work_bytes
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(x with unit row stride, the output, the kernel's scratch: None when x has no rows)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=torch.float32)
+    return x, y, (torch.empty(work_bytes(m, k), dtype=torch.uint8) if m else None)
+
+
 def qlinear(x: torch.Tensor, w: QuantWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x @ W.T: x float32 `[T, in_features]` on the CPU (row stride free) -> `[T, out]`."""
     lib = lib if lib is not None else load_qgemm()
     if lib is None:
         raise RuntimeError("the quantized GEMM kernel is not available on this host")
     check_input(x, w.in_features)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    y = torch.empty(m, w.out_features, dtype=torch.float32)
-    if m == 0:
+    x, y, work = call_buffers(x, w.out_features, lib.qgemm_work_bytes)
+    if work is None:
         return y
-    work = torch.empty(lib.qgemm_work_bytes(m, k), dtype=torch.uint8)
+    m, k = x.shape
     offsets = 0 if w.m is None else w.m.data_ptr()
     rc = lib.qgemm(w.kind, x.data_ptr(), x.stride(0), m, k, w.qs.data_ptr(), w.d.data_ptr(),
                    offsets, w.out_features, y.data_ptr(), w.out_features, work.data_ptr(),

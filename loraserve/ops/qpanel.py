@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from loraserve.ops.cbuild import load_library_once
+from loraserve.ops.qgemm import call_buffers
 from loraserve.ops.quant_formats import Q4_F16, Q8_F16, Q8_ROW, QuantWeight
 
 _SOURCE = Path(__file__).with_name("qpanel_gemm.c")
@@ -104,13 +105,10 @@ def pack_panels(qw: QuantWeight) -> QuantPanels:
 
 def qpanel_linear(x: torch.Tensor, panels: QuantPanels, lib: ctypes.CDLL) -> torch.Tensor:
     """x @ W.T: x float32 `[T, in_features]` on the CPU -> `[T, out_features]`."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    y = torch.empty(m, panels.out_features, dtype=torch.float32)
-    if m == 0:
+    x, y, work = call_buffers(x, panels.out_features, lib.qpanel_work_bytes)
+    if work is None:
         return y
-    work = torch.empty(lib.qpanel_work_bytes(m, k), dtype=torch.uint8)
+    m, k = x.shape
     rc = lib.qpanel_gemm(PANEL_KINDS[panels.kind], x.data_ptr(), x.stride(0), m, k,
                          panels.w.data_ptr(), panels.wsum.data_ptr(), panels.scale.data_ptr(),
                          panels.out_features, y.data_ptr(), panels.out_features,
