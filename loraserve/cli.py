@@ -85,7 +85,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = None) -> int:
     """Build the engine, load --lora-paths, and serve the app with uvicorn. Start-up says
     what it is doing as it goes; `on_ready` runs once the server listens."""
-    from loraserve.openmp_env import prefer_spinning_workers
+    from loraserve.openmp_env import in_passing_thread, prefer_spinning_workers
 
     prefer_spinning_workers()  # before torch loads (openmp_env.py says why)
     from loraserve.server.cli_args import H11_MAX_EVENT_BYTES, configure_logging, settings_from_args
@@ -118,7 +118,8 @@ def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = No
     from loraserve.server.shutdown import GracefulServer
     from loraserve.server.startup_heap import freeze_startup_heap
 
-    engine = _load_engine(args.model, config, adapters, log)
+    # built on a thread that ends, so that the engine thread's OpenMP team is the only one
+    engine = in_passing_thread(_load_engine, args.model, config, adapters, log)
     log.info("model %s from %s; %d adapters; LoRA backend %s; runtime adapter updates %s",
              engine.info.model_name, engine.info.model_path, engine.store.num_registered,
              engine.info.lora_backend, "on" if settings.runtime_lora_updates else "off")

@@ -12,12 +12,21 @@ bounds the spin of an idle worker that is not cut to its default (300,000 spins)
 server does not keep its cores busy.
 
 Both are read once, when the runtime loads with torch: set them before torch is imported.
-A value the user set wins."""
+A value the user set wins.
+
+Better still is one team: the model is built on a thread that then ends
+(`in_passing_thread`), so its team goes with it, and the engine thread's team is the only
+one; its workers then spin as long as on a main thread."""
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 SERVING_OPENMP_ENV = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "300000"}
 
@@ -29,3 +38,22 @@ def prefer_spinning_workers() -> bool:
     for name, value in SERVING_OPENMP_ENV.items():
         os.environ.setdefault(name, value)
     return True
+
+
+def in_passing_thread(fn: Callable[..., T], *args) -> T:
+    """`fn(*args)` on a thread that ends when it returns: the OpenMP team its torch work made
+    ends with it. Its exception, if any, is raised here."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn(*args)
+        except BaseException as e:  # handed to the caller, whatever it is
+            out["error"] = e
+
+    t = threading.Thread(target=run, name="model-load", daemon=True)  # Ctrl-C still exits
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]

@@ -8,6 +8,11 @@ import json
 import os
 import subprocess
 import sys
+import threading
+
+import pytest
+
+from loraserve.openmp_env import in_passing_thread
 
 CHILD = """
 import json, os, sys
@@ -42,3 +47,20 @@ def test_the_serve_command_sets_it_before_torch_loads():
             "print('torch' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "False", r.stderr
+
+
+def test_in_passing_thread_returns_raises_and_ends():
+    ran_on = []
+
+    def work(a, b):
+        ran_on.append(threading.current_thread())
+        return a + b
+
+    assert in_passing_thread(work, 2, 3) == 5
+    assert ran_on[0] is not threading.current_thread() and not ran_on[0].is_alive()
+
+    def fail():
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        in_passing_thread(fail)
