@@ -85,9 +85,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = None) -> int:
     """Build the engine, load --lora-paths, and serve the app with uvicorn. Start-up says
     what it is doing as it goes; `on_ready` runs once the server listens."""
-    from loraserve.openmp_env import in_passing_thread, prefer_spinning_workers
+    from loraserve.config.openmp import in_passing_thread, prefer_spinning_workers
 
-    prefer_spinning_workers()  # before torch loads (openmp_env.py says why)
+    prefer_spinning_workers()  # before torch loads (config/openmp.py says why)
     from loraserve.server.cli_args import H11_MAX_EVENT_BYTES, configure_logging, settings_from_args
 
     configure_logging(args.log_level)

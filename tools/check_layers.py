@@ -22,7 +22,6 @@ from pathlib import Path
 # prefix wins; "loraserve" alone (the package __init__, which re-exports) is a composition root.
 LAYERS: tuple[tuple[str, int], ...] = (
     ("loraserve.types", 0), ("loraserve.config", 0), ("loraserve.paths", 0),
-    ("loraserve.openmp_env", 0),
     ("loraserve.errors", 0),
     ("loraserve.ops", 1), ("loraserve.request", 1), ("loraserve.kvcache", 1),
     ("loraserve.lora", 2), ("loraserve.adapters.format", 2), ("loraserve.adapters.peft", 2),

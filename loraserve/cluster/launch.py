@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 
 from loraserve.cluster.spec import APP_NAME, ClusterSpec
-from loraserve.openmp_env import SERVING_OPENMP_ENV
+from loraserve.config.openmp import SERVING_OPENMP_ENV
 
 log = logging.getLogger("loraserve.cluster")
 OBJECT_STORE_BYTES = 128 * 1024 * 1024  # Ray's floor is 75 MiB

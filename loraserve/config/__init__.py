@@ -1,5 +1,6 @@
 """Frozen configuration: the base model's shape (model.py), the engine's knobs and how their
-automatic choices are settled (engine.py), and the cluster's knobs (cluster.py). The only
+automatic choices are settled (engine.py), the cluster's knobs (cluster.py), and the OpenMP
+wait policy of a serving process (openmp.py). The only
 place defaults live: the CLI's flags are generated from these fields (cli.py)."""
 
 from loraserve.config.cluster import ROUTING_POLICIES, ClusterConfig

@@ -12,13 +12,13 @@ import threading
 
 import pytest
 
-from loraserve.openmp_env import in_passing_thread
+from loraserve.config.openmp import in_passing_thread
 
 CHILD = """
 import json, os, sys
 if sys.argv[1] == "torch-first":
     import torch  # noqa: F401
-from loraserve.openmp_env import prefer_spinning_workers
+from loraserve.config.openmp import prefer_spinning_workers
 done = prefer_spinning_workers()
 print(json.dumps([done, os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")]))
 """
