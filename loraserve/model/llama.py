@@ -28,6 +28,7 @@ from loraserve.model.attention import AttentionBackend
 from loraserve.model.layers import RotaryEmbedding, rms_norm
 from loraserve.model.linear import Linear
 from loraserve.model.moe import ExpertLoraHook, MoeWeights, moe_forward, shared_gate
+from loraserve.model.native_decode import NativeDecode
 from loraserve.model.rope import inv_freq
 from loraserve.ops.elementwise import add_rms_norm_, silu_mul
 
@@ -106,6 +107,8 @@ class LlamaModel:
             self.ropes.append(RotaryEmbedding(
                 inv_freq(c.head_dim, c.local_rope_theta, RopeScaling()),
                 c.max_position_embeddings, **kw))
+        # decode-only base-only steps in one C call where the model's layers allow it
+        self.native = NativeDecode.build(self)
 
     # --- forward -------------------------------------------------------------------------------
     def forward(
@@ -126,6 +129,10 @@ class LlamaModel:
         nh, kvh, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         q_size, kv_size, eps = self.q_size, self.kv_size, c.rms_norm_eps
         res, softcap = c.residual_multiplier, c.attn_softcap
+        if (lora is None and self.native is not None
+                and self.native.fits(attention, attn_meta, positions, self.ropes[0].max_positions)):
+            self.native.run(h, positions, kv_caches, attention, attn_meta)
+            return self._logits(h, logits_rows, lora)
         first = self.layers[0].input_norm
         x = h if first is None else rms_norm(h, first, eps)
         # Residual adds are in place into h (a fresh tensor), each fused with the norm after
@@ -159,7 +166,12 @@ class LlamaModel:
                 d = rms_norm(d, w.mlp_out_norm, eps)
             nxt = self.layers[li + 1].input_norm if li + 1 < len(self.layers) else None
             x = add_rms_norm_(h, d, res, nxt, eps)
-        h = rms_norm(h[logits_rows], self.final_norm, eps)  # only rows that sample a token
+        return self._logits(h, logits_rows, lora)
+
+    def _logits(self, h: torch.Tensor, logits_rows: torch.Tensor, lora: LoraHook | None
+                ) -> torch.Tensor:
+        c = self.config
+        h = rms_norm(h[logits_rows], self.final_norm, c.rms_norm_eps)  # rows that sample
         logits = self.lm_head(h) if lora is None else lora.head(logits_rows, h, self.lm_head)
         if c.logits_scaling != 1.0:  # once per step, not per layer
             logits = logits / c.logits_scaling

@@ -9,6 +9,7 @@ base: the adapter's part is exact; only the base's product is quantized.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import torch
@@ -43,6 +44,11 @@ class QuantLinear:
             check_input(x, self.in_features)
             return qpanel_linear(x, self.panels_q, self._panel_lib)
         return qlinear(x, self.qweight)
+
+    @property
+    def panel_library(self) -> ctypes.CDLL | None:
+        """The panel kernel's library when the weight is in panels."""
+        return self._panel_lib if self.panels_q is not None else None
 
     @property
     def weight(self) -> torch.Tensor:

@@ -45,6 +45,12 @@ def _load() -> ctypes.CDLL | None:
                              _configure)
 
 
+def fused_library() -> ctypes.CDLL | None:
+    """The C library itself where the fused ops are on (None: torch's path), for a caller
+    that calls its functions from C (model/native_decode.py)."""
+    return _load() if _enabled[0] else None
+
+
 def _kernel(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     """The C library when every tensor is a float32 CPU matrix with unit inner stride."""
     if not _enabled[0]:

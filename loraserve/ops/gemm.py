@@ -47,6 +47,11 @@ def _kernel() -> ctypes.CDLL | None:
     return load_library_once(_SOURCE, [], "the GEMM kernel", _configure)
 
 
+def gemm_library() -> ctypes.CDLL | None:
+    """Our GEMM library (None as `_kernel`), for a caller that calls it from C."""
+    return _kernel()
+
+
 def gemm_backend() -> str:
     """'avx2', 'onednn' or 'mkl': read when weights are packed, so a process can compare them."""
     want = os.environ.get("LORASERVE_GEMM", "auto").lower()

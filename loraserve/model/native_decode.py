@@ -1,0 +1,174 @@
+"""A decode-only, base-only step's decoder layers in one C call (native_decode.c), for models
+whose every projection runs on one of our kernels (float32 panels or quantized) without bias.
+
+It runs the kernels the model's Python loop runs, in the same order, on the same buffers, so
+a row's result is bit for bit the same whichever path its step took (the tests compare the
+two); what it saves is the loop's per-layer dispatch, which at batch 1 costs about as much
+as the layer's weight streaming. Steps it does not fit (a prefill or chunk among the rows,
+any adapter, a layer with a norm, window or cap it does not call) take the Python loop.
+
+`build` returns None for a model it cannot run (a family with extra norms, a bias, experts,
+bf16 or oneDNN weights, an activation other than SiLU, no C compiler); `LORASERVE_NATIVE_DECODE=0`
+turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import torch
+
+from loraserve.model.attention.cpu import CpuAttention, CpuAttentionMetadata
+from loraserve.model.attention.paged_decode import load as load_paged_decode
+from loraserve.model.linear import Linear
+from loraserve.model.quant_linear import QuantLinear
+from loraserve.ops.cbuild import load_library_once
+from loraserve.ops.elementwise import fused_enabled, fused_library
+from loraserve.ops.gemm import gemm_library
+from loraserve.ops.qgemm import load_qgemm
+from loraserve.ops.qpanel import PANEL_KINDS
+
+SOURCE = Path(__file__).with_name("native_decode.c")
+F32_PANELS = -1  # native_decode.c: KIND_F32_PANELS
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = [("fn", _ptr), ("kind", _i64), ("n", _i64), ("k", _i64), ("w", _ptr),
+                ("w2", _ptr), ("w3", _ptr)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Projection), ("o", _Projection), ("gate_up", _Projection),
+                ("down", _Projection), ("post_norm", _ptr), ("next_norm", _ptr),
+                ("k_cache", _ptr), ("v_cache", _ptr), ("window", _i64)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("rms_norm", _ptr), ("add_rms_norm", _ptr), ("silu_mul", _ptr), ("rope", _ptr),
+                ("attention", _ptr), ("d", _i64), ("nh", _i64), ("kvh", _i64), ("hd", _i64),
+                ("inter", _i64), ("block_size", _i64), ("eps", _f32), ("residual", _f32),
+                ("scale", _f32), ("softcap", _f32), ("first_norm", _ptr), ("cos", _ptr),
+                ("sin", _ptr)]
+
+
+def _configure(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.native_decode.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Layer), _i64, _ptr,
+                                  _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr,
+                                  ctypes.c_int]
+    lib.native_decode.restype = ctypes.c_int
+    lib.native_decode_scratch_floats.argtypes = [ctypes.POINTER(_Model), _i64]
+    lib.native_decode_scratch_floats.restype = _i64
+    return lib
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _projection(linear) -> tuple[_Projection, object] | None:
+    """The C description of a bias-free projection on one of our kernels (float32 panels, or
+    quantized), with its work-bytes function (None: it needs no work); None for anything else
+    (oneDNN's or MKL's float32 weights, bf16, a bias)."""
+    if type(linear) is Linear:
+        if linear.panels is None:
+            return None
+        return (_Projection(_address(gemm_library().gemm_packed), F32_PANELS,
+                            linear.out_features, linear.in_features, linear.panels.data_ptr(),
+                            None, None), None)
+    if type(linear) is not QuantLinear:
+        return None
+    if linear.panels_q is not None:
+        p, lib = linear.panels_q, linear.panel_library
+        return (_Projection(_address(lib.qpanel_gemm), PANEL_KINDS[p.kind], p.out_features,
+                            p.in_features, p.w.data_ptr(), p.wsum.data_ptr(),
+                            p.scale.data_ptr()), lib.qpanel_work_bytes)
+    lib, q = load_qgemm(), linear.qweight
+    if lib is None:
+        return None
+    return (_Projection(_address(lib.qgemm), q.kind, q.out_features, q.in_features,
+                        q.qs.data_ptr(), q.d.data_ptr(), 0 if q.m is None else q.m.data_ptr()),
+            lib.qgemm_work_bytes)
+
+
+class NativeDecode:
+    """The C layer loop of one model: its weights' addresses, taken once at load."""
+
+    def __init__(self, lib: ctypes.CDLL, model_desc: _Model, layers: list[_Layer],
+                 work_bytes: list, keep: list):
+        self.lib, self.model_desc, self.work_bytes = lib, model_desc, work_bytes
+        self.layers = (_Layer * len(layers))(*layers)
+        self._keep = keep  # the tensors whose addresses the descriptions hold
+        self._caches: list | None = None
+
+    @classmethod
+    def build(cls, model) -> NativeDecode | None:
+        if os.environ.get("LORASERVE_NATIVE_DECODE", "1") == "0":
+            return None
+        c = model.config
+        if c.hidden_act != "silu" or not model.embed.device.type == "cpu" \
+                or model.embed.dtype != torch.float32 or len(model.ropes) != 1:
+            return None
+        layers, work_bytes, keep = [], {}, []
+        for i, w in enumerate(model.layers):
+            if (w.input_norm is None or w.post_norm is None or w.qk_norm is not None
+                    or w.qk_full_norm is not None or w.attn_out_norm is not None
+                    or w.mlp_out_norm is not None or w.moe is not None or w.rope != 0):
+                return None
+            projs = [_projection(p) for p in (w.qkv, w.o, w.gate_up, w.down)]
+            if any(p is None for p in projs):
+                return None
+            work_bytes.update((id(fn), fn) for _, fn in projs if fn is not None)
+            nxt = model.layers[i + 1].input_norm if i + 1 < len(model.layers) else None
+            norms = [t.contiguous() for t in (w.post_norm, nxt) if t is not None]
+            keep += norms
+            layers.append(_Layer(*(p for p, _ in projs), norms[0].data_ptr(),
+                                 norms[1].data_ptr() if nxt is not None else None, None, None,
+                                 w.window))
+        ew = fused_library()
+        attn = load_paged_decode()
+        if ew is None or attn is None:
+            return None
+        rope = model.ropes[0]
+        first = model.layers[0].input_norm.contiguous()
+        keep += [first, rope.cos, rope.sin]
+        desc = _Model(_address(ew.rms_norm), _address(ew.add_rms_norm), _address(ew.silu_mul),
+                      _address(ew.rope), _address(attn.paged_decode_attention), c.hidden_size,
+                      c.num_attention_heads, c.num_key_value_heads, c.head_dim, model.inter,
+                      0, c.rms_norm_eps, c.residual_multiplier, model.scale, c.attn_softcap or 0.0,
+                      first.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr())
+        lib = load_library_once(SOURCE, [], "the native decode loop", _configure)
+        return None if lib is None else cls(lib, desc, layers, list(work_bytes.values()), keep)
+
+    def fits(self, attention, meta, positions: torch.Tensor, max_positions: int) -> bool:
+        """Whether this step's attention metadata is one the C loop runs: decodes only, on
+        the CPU backend with its paged kernel, rows in order, positions within the tables."""
+        return (fused_enabled() and isinstance(meta, CpuAttentionMetadata) and not meta.prefills
+                and meta.decode_blocks is not None and meta.decode_contiguous
+                and isinstance(attention, CpuAttention) and attention.kernel is not None
+                and int(positions.max()) < max_positions)
+
+    def run(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+            attention: CpuAttention, meta: CpuAttentionMetadata) -> None:
+        """Every layer over h ([B, d], the embeddings; the residual stream after the last
+        layer on return), K/V written into `kv_caches`."""
+        if self._caches is not kv_caches:  # the runner's list: its tensors' addresses, once
+            for layer, (k, v) in zip(self.layers, kv_caches, strict=True):
+                layer.k_cache, layer.v_cache = k.data_ptr(), v.data_ptr()
+            self._caches = kv_caches
+        self.model_desc.block_size = attention.block_size
+        b, k_max = h.shape[0], max(self.model_desc.inter, self.model_desc.nh
+                                   * self.model_desc.hd, self.model_desc.d)
+        scratch = torch.empty(self.lib.native_decode_scratch_floats(self.model_desc, b))
+        work = torch.empty(max([64] + [fn(b, k_max) for fn in self.work_bytes]),
+                           dtype=torch.uint8)
+        tables = meta.decode_blocks
+        rc = self.lib.native_decode(
+            self.model_desc, self.layers, len(self.layers), h.data_ptr(), b,
+            positions.data_ptr(), meta.slot_mapping.data_ptr(), meta.decode_rows.data_ptr(),
+            tables.data_ptr(), tables.stride(0), meta.decode_lens.data_ptr(),
+            scratch.data_ptr(), work.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"the native decode loop failed in layer {rc - 1}")

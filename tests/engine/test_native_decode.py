@@ -1,0 +1,106 @@
+"""The native decode loop (model/native_decode.py): a decode-only, base-only step's layers in
+one C call over float32 panels or quantized weights.
+
+- it computes what the model's Python loop computes, bit for bit (token ids and logprobs of
+  a batch decoded with it and without it are equal), with and without sliding windows;
+- it runs exactly on the steps it fits (decodes only, no adapter) and leaves the others to
+  the Python loop;
+- models it cannot run (float weights, extra norms) do not get it.
+"""
+
+from __future__ import annotations
+
+import pytest
+from adapter_factory import build_peft_model
+from model_factory import make_tiny_family, make_tiny_llama
+
+from loraserve import LLM, SamplingParams
+from loraserve.model.native_decode import NativeDecode
+from loraserve.ops.qgemm import load_qgemm
+
+pytestmark = pytest.mark.skipif(load_qgemm() is None,
+                                reason="no quantized GEMM kernel on this host (gcc, AVX2)")
+
+PROMPTS = [[5, 9, 13, 200, 17, 3, 44], [7, 8], [300, 301, 302, 303, 304, 305, 306, 307, 308,
+                                               309, 310, 311, 312, 313, 314, 315, 316, 317]]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("native")
+    hf = make_tiny_llama(root / "hf", hidden_size=128, intermediate_size=256,
+                         initializer_range=0.3)
+    peft = build_peft_model(hf, r=8, target_modules=["q_proj", "v_proj"], seed=3,
+                            init_scale=0.5)
+    peft.save_pretrained(root / "a", safe_serialization=True)
+    return hf, root / "a"
+
+
+def _generate(llm: LLM, lora=None):
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = llm.generate(PROMPTS, sp, lora=lora)
+    assert all(o.error is None for o in outs)
+    return [(o.token_ids, o.logprobs) for o in outs]
+
+
+def _counting(model, monkeypatch) -> list[int]:
+    calls: list[int] = []
+    run = NativeDecode.run
+
+    def counted(self, h, *args):
+        calls.append(h.shape[0])
+        return run(self, h, *args)
+
+    monkeypatch.setattr(NativeDecode, "run", counted)
+    return calls
+
+
+@pytest.mark.parametrize("scheme", ["none", "int8", "int4"])
+def test_native_loop_equals_the_python_loop(llama, scheme, monkeypatch):
+    hf, _ = llama
+    llm = LLM(str(hf), quantization=scheme, enable_prefix_caching=False)
+    model = llm.engine.model
+    assert model.native is not None
+    calls = _counting(model, monkeypatch)
+    native = _generate(llm)
+    # one prefill step (Python), then 11 decode-only steps of all three rows (native)
+    assert calls == [3] * 11
+    model.native = None
+    assert _generate(llm) == native
+
+
+def test_adapter_steps_take_the_python_loop(llama, monkeypatch):
+    hf, adapter = llama
+    llm = LLM(str(hf), quantization="int8", lora_paths={"a": str(adapter)},
+              enable_prefix_caching=False)
+    calls = _counting(llm.engine.model, monkeypatch)
+    with_adapter = _generate(llm, lora=["a", None, "a"])
+    assert calls == []  # every decode step has an adapter's row
+    base = _generate(llm)
+    assert len(calls) == 11
+    assert with_adapter[1] == base[1]  # the base row's answer, whichever loop ran it
+    assert with_adapter[0] != base[0]
+
+
+def test_sliding_windows_are_run_natively(tmp_path, monkeypatch):
+    hf = make_tiny_family(tmp_path / "m", "mistral", hidden_size=128, intermediate_size=256,
+                          sliding_window=6)
+    llm = LLM(str(hf), quantization="int8", enable_prefix_caching=False)
+    model = llm.engine.model
+    assert model.native is not None and {w.window for w in model.layers} == {6}
+    calls = _counting(model, monkeypatch)
+    native = _generate(llm)
+    assert len(calls) == 11
+    model.native = None
+    assert _generate(llm) == native
+
+
+def test_models_it_cannot_run_do_not_get_it(llama, tmp_path, monkeypatch):
+    hf, _ = llama
+    monkeypatch.setenv("LORASERVE_GEMM", "onednn")  # float32 weights in oneDNN's layout
+    assert LLM(str(hf), enable_prefix_caching=False).engine.model.native is None
+    monkeypatch.delenv("LORASERVE_GEMM")
+    qwen3 = make_tiny_family(tmp_path / "q3", "qwen3", hidden_size=128, intermediate_size=256,
+                             head_dim=32)
+    llm = LLM(str(qwen3), quantization="int8", enable_prefix_caching=False)
+    assert llm.engine.model.native is None  # per-head q/k norms
