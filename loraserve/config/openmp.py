@@ -12,7 +12,7 @@ bounds the spin of an idle worker that is not cut to its default (300,000 spins)
 server does not keep its cores busy.
 
 Both are read once, when the runtime loads with torch: set them before torch is imported.
-A value the user set wins.
+Where the user set either, neither is set.
 
 Better still is one team: the model is built on a thread that then ends
 (`in_passing_thread`), so its team goes with it, and the engine thread's team is the only
@@ -35,8 +35,10 @@ def prefer_spinning_workers() -> bool:
     """Set the serving defaults where unset; False if torch is already loaded (too late)."""
     if "torch" in sys.modules:
         return False
-    for name, value in SERVING_OPENMP_ENV.items():
-        os.environ.setdefault(name, value)
+    # either one set by the user: theirs alone (GOMP_SPINCOUNT outranks the wait policy in
+    # GNU OpenMP, so ours would undo their OMP_WAIT_POLICY=PASSIVE)
+    if not any(name in os.environ for name in SERVING_OPENMP_ENV):
+        os.environ.update(SERVING_OPENMP_ENV)
     return True
 
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import traceback
 from dataclasses import dataclass
 
 from loraserve.engine import messages as M
 from loraserve.engine.request_stream import Accepted, RequestStream
+from loraserve.ops.openmp_team import WORKER_NICE, lower_worker_priority
 from loraserve.types import FinishReason, RequestOutput
 
 log = logging.getLogger("loraserve.engine")
@@ -35,6 +37,9 @@ class EngineLoop:
 
     def _run(self) -> None:
         engine = self.engine
+        nice = int(os.environ.get("LORASERVE_WORKER_NICE", WORKER_NICE))
+        if nice:  # the clients' threads first when they and the step's team want a core
+            lower_worker_priority(nice)
         while True:
             idle = not engine.has_work
             # paused requests are not work, but their time limit must still be checked

@@ -5,10 +5,17 @@ one C call over float32 panels or quantized weights.
   a batch decoded with it and without it are equal), with and without sliding windows;
 - it runs exactly on the steps it fits (decodes only, no adapter) and leaves the others to
   the Python loop;
-- models it cannot run (float weights, extra norms) do not get it.
+- models it cannot run (oneDNN's float weights, extra norms) do not get it;
+- the same holds on an AVX2 build of every kernel (the quantized GEMM is then the dot-order
+  one), in a process of its own (a process builds its kernels for one ISA).
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from adapter_factory import build_peft_model
@@ -104,3 +111,31 @@ def test_models_it_cannot_run_do_not_get_it(llama, tmp_path, monkeypatch):
                              head_dim=32)
     llm = LLM(str(qwen3), quantization="int8", enable_prefix_caching=False)
     assert llm.engine.model.native is None  # per-head q/k norms
+
+
+AVX2_CHECK = """
+import sys
+from loraserve import LLM, SamplingParams
+from loraserve.ops.qgemm import qgemm_isa
+assert qgemm_isa() == "avx2"
+llm = LLM(sys.argv[1], quantization="int4", enable_prefix_caching=False)
+model = llm.engine.model
+assert model.native is not None
+sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+prompts = [[5, 9, 13, 200, 17, 3, 44], [7, 8]]
+def run():
+    return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, sp)]
+native = run()
+model.native = None
+assert run() == native
+print("equal")
+"""
+
+
+def test_native_loop_on_an_avx2_build(llama):
+    hf, _ = llama
+    env = {**os.environ, "LORASERVE_CPU_ARCH": "x86-64-v3"}
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", AVX2_CHECK, str(hf)], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "equal" in out.stdout, out.stderr[-3000:]

@@ -11,6 +11,7 @@ import sys
 import threading
 
 import pytest
+import torch
 
 from loraserve.config.openmp import in_passing_thread
 
@@ -34,7 +35,8 @@ def child(mode: str, **env: str) -> list:
 
 def test_set_before_torch_loads_and_the_users_values_win():
     assert child("plain") == [True, "ACTIVE", "300000"]
-    assert child("plain", OMP_WAIT_POLICY="PASSIVE") == [True, "PASSIVE", "300000"]
+    assert child("plain", OMP_WAIT_POLICY="PASSIVE") == [True, "PASSIVE", None]
+    assert child("plain", GOMP_SPINCOUNT="1000") == [True, None, "1000"]
 
 
 def test_nothing_changes_once_torch_is_loaded():
@@ -64,3 +66,28 @@ def test_in_passing_thread_returns_raises_and_ends():
 
     with pytest.raises(ValueError, match="no such model"):
         in_passing_thread(fail)
+
+
+def test_a_threads_openmp_workers_get_a_lower_priority_and_it_keeps_its_own():
+    from loraserve.ops.openmp_team import lower_worker_priority, worker_nice
+
+    seen: dict = {}
+
+    def engine_thread():
+        torch.set_num_threads(2)  # the suite runs one thread; a team needs two
+        seen["before"] = worker_nice()
+        seen["done"] = lower_worker_priority(7)
+        torch.randn(512, 512) @ torch.randn(512, 512)  # a torch region on the same team
+        seen["after"] = worker_nice()
+        seen["own"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = torch.get_num_threads()
+    try:
+        t = threading.Thread(target=engine_thread)
+        t.start()
+        t.join()
+        assert seen == {"before": 0, "done": True, "after": 7, "own": 0}
+        torch.set_num_threads(2)
+        assert worker_nice() == 0  # another thread's team is untouched
+    finally:
+        torch.set_num_threads(before)
