@@ -3,16 +3,21 @@ stall-free batching, with the budget found by feedback instead of fixed in advan
 
 The goal: a step that carries prefill tokens beside D decodes takes at most `factor` times a
 decode-only step of those decodes. Both times are measured as the engine runs (`observe`):
-  - decode-only steps give the reference, an exponential average of their times. While a
-    long prompt keeps every step busy, one step in `probe_every` is left decode-only on
-    purpose (`prefill_budget` answers 0), so the reference follows the current batch and load;
+  - decode-only steps give the reference, an exponential average of their times per size
+    class of D (1, 2-3, 4-7, ...: a step of 32 decodes costs several of one, so a reference
+    taken at one size misjudges steps at another). A step whose D has no reference yet is
+    left decode-only (`prefill_budget` answers 0), once, to take one. While a long prompt
+    keeps every step busy, one step in `probe_every` is left decode-only on purpose, so the
+    reference follows the current load;
   - each step with prefill gives the ratio of its time to the reference, and the budget is
     scaled by (factor / ratio), damped and bounded (halved at most, grown by at most 1.4x,
     per step): over it shrinks, under it grows, only when the budget was what limited the
     step (a few prompt tokens under budget say nothing about a larger budget).
 The budget stays within [min_chunk, max_tokens]: a long prompt always progresses. Before the
 first step is measured nothing caps it (the engine measures every step; model-free callers
-schedule as if uncapped); from then on it starts at `initial` until the loop moves it.
+schedule as if uncapped); from then on it starts at `initial` until the loop moves it. A step
+with no decodes has no pace to keep and takes max_tokens, except under `average` (the tenant
+pace), whose bound also keeps other clients' new requests from waiting behind a long step.
 
 With `average` (between clients, scheduler.py), the bound holds on average too: a step over
 `factor` x the reference leaves a debt of its excess, and until later steps have paid it (a
@@ -42,11 +47,15 @@ class StepPace:
         self.budget = float(max(self.min_chunk, min(initial, max_tokens)))
         self.probe_every = probe_every
         self.smoothing = smoothing  # weight of the newest decode-only time in the average
-        self.decode_s: float | None = None  # reference: a decode-only step's time
+        self.decode_s: dict[int, float] = {}  # reference per size class of the decodes
         self.steps_since_reference = 0
         self.observed = False
         self.average = average
         self.debt = 0.0  # seconds over the bound not yet paid back (with `average`)
+
+    def reference(self, num_decodes: int) -> float | None:
+        """A decode-only step's time at `num_decodes` decodes (its size class), if measured."""
+        return self.decode_s.get(num_decodes.bit_length())
 
     def prefill_budget(self, num_decodes: int, long_prefill: bool = False) -> int:
         """Prefill tokens this step may carry beside `num_decodes` decodes. `long_prefill`: a
@@ -54,10 +63,12 @@ class StepPace:
         themselves; then one in `probe_every` is one (the answer is 0)."""
         if self.factor <= 0.0 or not self.observed:  # nothing measured yet: no cap
             return self.max_tokens
-        if num_decodes > 0 and long_prefill and (
-                self.decode_s is None or self.steps_since_reference >= self.probe_every):
+        if num_decodes == 0:
+            return int(self.budget) if self.average else self.max_tokens
+        if self.reference(num_decodes) is None or (
+                long_prefill and self.steps_since_reference >= self.probe_every):
             return 0
-        if num_decodes > 0 and self.debt > 0.0:
+        if self.debt > 0.0:
             return 0
         return int(self.budget)
 
@@ -66,18 +77,19 @@ class StepPace:
         if seconds <= 0.0 or self.factor <= 0.0:
             return
         self.observed = True
-        if self.average and num_decodes > 0 and self.decode_s is not None:
-            self.debt = max(0.0, self.debt + seconds - self.factor * self.decode_s)
+        ref = self.reference(num_decodes)
+        if self.average and num_decodes > 0 and ref is not None:
+            self.debt = max(0.0, self.debt + seconds - self.factor * ref)
         if num_prefill == 0:
             if num_decodes > 0:
-                a = self.smoothing if self.decode_s is not None else 1.0
-                self.decode_s = (1 - a) * (self.decode_s or 0.0) + a * seconds
+                a = self.smoothing if ref is not None else 1.0
+                self.decode_s[num_decodes.bit_length()] = (1 - a) * (ref or 0.0) + a * seconds
                 self.steps_since_reference = 0
             return
         self.steps_since_reference += 1
-        if self.decode_s is None or (self.average and num_decodes == 0):
+        if ref is None or num_decodes == 0:
             return  # nothing to judge it by, or nobody it could have slowed
-        ratio = seconds / self.decode_s
+        ratio = seconds / ref
         if ratio <= self.factor and num_prefill < 0.9 * self.budget:
             return  # the budget did not bind: no evidence that more would fit
         scale = min(2.0, max(0.25, self.factor / ratio)) ** 0.5

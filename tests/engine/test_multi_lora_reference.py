@@ -104,6 +104,8 @@ class CapTrace:
 
 
 def run_mixed(model_dir: Path, paths: dict[str, str], prompts, max_new: int, **knobs):
+    # no decode pace unless asked: its measuring steps (decodes alone) would split the mix
+    knobs.setdefault("decode_pace_factor", 0)
     llm = LLM(str(model_dir), lora_paths=paths, max_lora_rank=64, **knobs)
     trace = CapTrace(llm)
     order = [(g, i) for i in range(max(map(len, prompts.values())))

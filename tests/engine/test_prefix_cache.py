@@ -150,7 +150,9 @@ def test_outputs_with_the_cache_equal_outputs_without(tiny_model_dir, ads, name,
 
 def test_forks_share_the_prompt_copy_the_partial_block_and_inherit_the_adapter(
         tiny_model_dir, ads, monkeypatch):
-    llm = engine_llm(tiny_model_dir, ads)
+    # no decode pace: its first step beside one decode would be that decode alone (its
+    # reference), and this test counts steps
+    llm = engine_llm(tiny_model_dir, ads, decode_pace_factor=0)
     eng = llm.engine
     copies = []
     real_copy = eng.runner.copy_blocks

@@ -29,10 +29,10 @@ def test_step_pace_probes_the_decodes_then_steers_the_budget_to_the_factor():
     pace = StepPace(factor=3.0, max_tokens=2048, min_chunk=16, initial=256, probe_every=8)
     assert pace.prefill_budget(4) == 2048  # nothing measured yet: no cap
     pace.observe(0, 300, 0.5)  # a prefill-only step: no reference to judge it by
-    assert pace.prefill_budget(0, True) == 256  # nobody decodes: nothing to measure against
-    assert pace.prefill_budget(4) == 256  # no long prompt: decode-only steps come by themselves
-    assert pace.prefill_budget(4, True) == 0  # a long prompt: measure the decodes alone
+    assert pace.prefill_budget(0, True) == 2048  # nobody decodes: no pace to keep
+    assert pace.prefill_budget(4) == 0  # no reference at 4 decodes: measure them alone, once
     pace.observe(4, 0, 0.020)  # 20 ms a decode-only step
+    assert pace.prefill_budget(4) == 256  # no long prompt: decode-only steps come by themselves
 
     def step_time(prefill):  # 20 ms + 1 ms a prefill token: the factor is met at 40 tokens
         return 0.020 + 0.001 * prefill
@@ -51,6 +51,24 @@ def test_step_pace_probes_the_decodes_then_steers_the_budget_to_the_factor():
         probes += p == 0
         pace.observe(4, p, step_time(p))
     assert 3 <= probes <= 4
+
+
+def test_step_pace_keeps_a_reference_per_batch_size_and_the_tenant_pace_caps_idle_steps():
+    pace = StepPace(factor=3.0, max_tokens=2048, initial=256)
+    pace.observe(1, 0, 0.004)  # one decode alone: 4 ms
+    assert pace.prefill_budget(1) == 256
+    # 32 decodes: a step of one decode's reference would misjudge them, so they are measured
+    assert pace.prefill_budget(32) == 0
+    pace.observe(32, 0, 0.030)
+    assert pace.reference(32) == 0.030 and pace.reference(40) == 0.030
+    assert pace.reference(1) == 0.004 and pace.reference(3) is None
+    pace.observe(32, 256, 0.060)  # 2x its own reference (15x one decode's): it grows
+    assert pace.prefill_budget(32) > 256
+    tenant = StepPace(factor=1.5, max_tokens=2048, initial=64, average=True)
+    tenant.observe(2, 0, 0.010)
+    # with nobody decoding, the tenant pace still bounds the step: another client's new
+    # request must not wait behind a long one
+    assert tenant.prefill_budget(0, True) == 64
 
 
 def test_step_pace_ignores_steps_the_budget_did_not_bind_and_can_be_off():
