@@ -88,7 +88,8 @@ class Scheduler(RequestQueues):
         batch.num_decodes = batch.num_protected = len(batch.entries)
         for req, _ in batch.entries:
             self.vtc.charge(req, decode_tokens=1)
-        paced_budget = self.pace.prefill_budget(batch.num_decodes, bool(prefilling))
+        rows = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
+        paced_budget = self.pace.prefill_budget(batch.num_decodes, bool(prefilling), rows)
         newcomers_only = False
         if shared:  # both bounds hold: the decodes' pace, and the tenant pace on average
             paced_budget = min(paced_budget, self.tenant_pace.prefill_budget(

@@ -9,6 +9,10 @@ decode-only step of those decodes. Both times are measured as the engine runs (`
     left decode-only (`prefill_budget` answers 0), once, to take one. While a long prompt
     keeps every step busy, one step in `probe_every` is left decode-only on purpose, so the
     reference follows the current load;
+  - while requests wait, the decodes are held to the pace of the batch they will all make
+    (`rows`: running and waiting, up to the seats): they will decode at that pace once the
+    waiting have joined, and holding two early decodes of a burst to their own pace starved
+    thirty prompts behind them (each prefilled a few tokens a step);
   - each step with prefill gives the ratio of its time to the reference, and the budget is
     scaled by (factor / ratio), damped and bounded (halved at most, grown by at most 1.4x,
     per step): over it shrinks, under it grows, only when the budget was what limited the
@@ -52,15 +56,29 @@ class StepPace:
         self.observed = False
         self.average = average
         self.debt = 0.0  # seconds over the bound not yet paid back (with `average`)
+        self.rows = 0  # the batch size the last prefill_budget was asked for
 
     def reference(self, num_decodes: int) -> float | None:
         """A decode-only step's time at `num_decodes` decodes (its size class), if measured."""
         return self.decode_s.get(num_decodes.bit_length())
 
-    def prefill_budget(self, num_decodes: int, long_prefill: bool = False) -> int:
+    def judged_by(self, num_decodes: int, rows: int) -> float | None:
+        """The reference a step of `num_decodes` decodes is held to: a decode-only step of the
+        batch its waiting work will make (`rows`), or of the nearest size measured below that,
+        down to the decodes' own."""
+        for size in range(max(rows, num_decodes).bit_length(), num_decodes.bit_length() - 1,
+                          -1):
+            if size in self.decode_s:
+                return self.decode_s[size]
+        return None
+
+    def prefill_budget(self, num_decodes: int, long_prefill: bool = False,
+                       rows: int = 0) -> int:
         """Prefill tokens this step may carry beside `num_decodes` decodes. `long_prefill`: a
         prompt is being prefilled over several steps, so decode-only steps do not come by
-        themselves; then one in `probe_every` is one (the answer is 0)."""
+        themselves; then one in `probe_every` is one (the answer is 0). `rows`: the batch
+        the running and waiting requests will make (judged_by)."""
+        self.rows = rows
         if self.factor <= 0.0 or not self.observed:  # nothing measured yet: no cap
             return self.max_tokens
         if num_decodes == 0:
@@ -87,9 +105,10 @@ class StepPace:
                 self.steps_since_reference = 0
             return
         self.steps_since_reference += 1
-        if ref is None or num_decodes == 0:
+        judge = self.judged_by(num_decodes, self.rows)
+        if judge is None or num_decodes == 0:
             return  # nothing to judge it by, or nobody it could have slowed
-        ratio = seconds / ref
+        ratio = seconds / judge
         if ratio <= self.factor and num_prefill < 0.9 * self.budget:
             return  # the budget did not bind: no evidence that more would fit
         scale = min(2.0, max(0.25, self.factor / ratio)) ** 0.5

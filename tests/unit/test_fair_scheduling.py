@@ -64,6 +64,14 @@ def test_step_pace_keeps_a_reference_per_batch_size_and_the_tenant_pace_caps_idl
     assert pace.reference(1) == 0.004 and pace.reference(3) is None
     pace.observe(32, 256, 0.060)  # 2x its own reference (15x one decode's): it grows
     assert pace.prefill_budget(32) > 256
+    # two decodes of a burst whose thirty others wait: held to the pace of the 32 they will
+    # make (30 ms), not to their own (4 ms), so the prompts behind them are not starved
+    pace.observe(2, 0, 0.004)
+    assert pace.judged_by(2, 32) == 0.030 and pace.judged_by(2, 0) == 0.004
+    assert pace.judged_by(2, 12) == 0.004  # 8-15 unmeasured: the nearest size below
+    before = pace.prefill_budget(2, rows=32)
+    pace.observe(2, before, 0.060)  # 15x their own pace, 2x the batch's: it grows
+    assert pace.prefill_budget(2, rows=32) > before
     tenant = StepPace(factor=1.5, max_tokens=2048, initial=64, average=True)
     tenant.observe(2, 0, 0.010)
     # with nobody decoding, the tenant pace still bounds the step: another client's new
