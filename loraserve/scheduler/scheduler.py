@@ -88,7 +88,10 @@ class Scheduler(RequestQueues):
         batch.num_decodes = batch.num_protected = len(batch.entries)
         for req, _ in batch.entries:
             self.vtc.charge(req, decode_tokens=1)
-        rows = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
+        # one client's decodes are held to the pace of the batch its waiting work will make
+        # (step_pace.py); between clients, each decode keeps its own
+        rows = 0 if shared else min(self.config.max_num_seqs,
+                                    len(self.running) + len(self.waiting))
         paced_budget = self.pace.prefill_budget(batch.num_decodes, bool(prefilling), rows)
         newcomers_only = False
         if shared:  # both bounds hold: the decodes' pace, and the tenant pace on average

@@ -9,10 +9,11 @@ decode-only step of those decodes. Both times are measured as the engine runs (`
     left decode-only (`prefill_budget` answers 0), once, to take one. While a long prompt
     keeps every step busy, one step in `probe_every` is left decode-only on purpose, so the
     reference follows the current load;
-  - while requests wait, the decodes are held to the pace of the batch they will all make
-    (`rows`: running and waiting, up to the seats): they will decode at that pace once the
-    waiting have joined, and holding two early decodes of a burst to their own pace starved
-    thirty prompts behind them (each prefilled a few tokens a step);
+  - while one client's requests wait, its decodes are held to the pace of the batch they
+    will all make (`rows`: running and waiting, up to the seats; the scheduler passes 0 when
+    several clients share the engine, where each client's decodes keep their own pace): they
+    will decode at that pace once the waiting have joined, and holding a burst's first two
+    decodes to their own pace starved thirty prompts behind them (a few tokens a step each);
   - each step with prefill gives the ratio of its time to the reference, and the budget is
     scaled by (factor / ratio), damped and bounded (halved at most, grown by at most 1.4x,
     per step): over it shrinks, under it grows, only when the budget was what limited the
