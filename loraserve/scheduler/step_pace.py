@@ -21,8 +21,8 @@ decode-only step of those decodes. Both times are measured as the engine runs (`
 The budget stays within [min_chunk, max_tokens]: a long prompt always progresses. Before the
 first step is measured nothing caps it (the engine measures every step; model-free callers
 schedule as if uncapped); from then on it starts at `initial` until the loop moves it. A step
-with no decodes has no pace to keep and takes max_tokens, except under `average` (the tenant
-pace), whose bound also keeps other clients' new requests from waiting behind a long step.
+with no decodes keeps the last budget: a request that arrives during it waits at most that
+long (one step of max_tokens was a second on a two-core CPU, a newcomer's first token with it).
 
 With `average` (between clients, scheduler.py), the bound holds on average too: a step over
 `factor` x the reference leaves a debt of its excess, and until later steps have paid it (a
@@ -82,8 +82,8 @@ class StepPace:
         self.rows = rows
         if self.factor <= 0.0 or not self.observed:  # nothing measured yet: no cap
             return self.max_tokens
-        if num_decodes == 0:
-            return int(self.budget) if self.average else self.max_tokens
+        if num_decodes == 0:  # the last budget holds: a newcomer waits at most one such step
+            return int(self.budget)
         if self.reference(num_decodes) is None or (
                 long_prefill and self.steps_since_reference >= self.probe_every):
             return 0
