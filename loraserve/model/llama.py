@@ -125,14 +125,14 @@ class LlamaModel:
         # [T, d]
         h = F.embedding(input_ids, self.embed) if lora is None else lora.embed(input_ids,
                                                                                 self.embed)
-        rotate = [r.rotator(positions) for r in self.ropes]  # [0] global, [1] local
-        nh, kvh, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q_size, kv_size, eps = self.q_size, self.kv_size, c.rms_norm_eps
-        res, softcap = c.residual_multiplier, c.attn_softcap
         if (lora is None and self.native is not None
                 and self.native.fits(attention, attn_meta, positions, self.ropes[0].max_positions)):
             self.native.run(h, positions, kv_caches, attention, attn_meta)
             return self._logits(h, logits_rows, lora)
+        rotate = [r.rotator(positions) for r in self.ropes]  # [0] global, [1] local
+        nh, kvh, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        q_size, kv_size, eps = self.q_size, self.kv_size, c.rms_norm_eps
+        res, softcap = c.residual_multiplier, c.attn_softcap
         first = self.layers[0].input_norm
         x = h if first is None else rms_norm(h, first, eps)
         # Residual adds are in place into h (a fresh tensor), each fused with the norm after

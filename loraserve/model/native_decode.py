@@ -100,6 +100,8 @@ class NativeDecode:
                  work_bytes: list, keep: list):
         self.lib, self.model_desc, self.work_bytes = lib, model_desc, work_bytes
         self.layers = (_Layer * len(layers))(*layers)
+        # the widest input of any projection: the GEMMs' work is sized for it
+        self.k_max = max(model_desc.inter, model_desc.nh * model_desc.hd, model_desc.d)
         self._keep = keep  # the tensors whose addresses the descriptions hold
         self._caches: list | None = None
 
@@ -157,12 +159,11 @@ class NativeDecode:
         if self._caches is not kv_caches:  # the runner's list: its tensors' addresses, once
             for layer, (k, v) in zip(self.layers, kv_caches, strict=True):
                 layer.k_cache, layer.v_cache = k.data_ptr(), v.data_ptr()
+            self.model_desc.block_size = attention.block_size
             self._caches = kv_caches
-        self.model_desc.block_size = attention.block_size
-        b, k_max = h.shape[0], max(self.model_desc.inter, self.model_desc.nh
-                                   * self.model_desc.hd, self.model_desc.d)
+        b = h.shape[0]
         scratch = torch.empty(self.lib.native_decode_scratch_floats(self.model_desc, b))
-        work = torch.empty(max([64] + [fn(b, k_max) for fn in self.work_bytes]),
+        work = torch.empty(max([64] + [fn(b, self.k_max) for fn in self.work_bytes]),
                            dtype=torch.uint8)
         tables = meta.decode_blocks
         rc = self.lib.native_decode(
