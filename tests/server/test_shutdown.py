@@ -16,8 +16,8 @@ import pytest
 from server_utils import ServerProcess
 
 
-def start(tiny_model_dir, tmp_path, timeout_s: str) -> ServerProcess:
-    return ServerProcess(tiny_model_dir, "--shutdown-timeout", timeout_s,
+def start(model_dir, tmp_path, timeout_s: str) -> ServerProcess:
+    return ServerProcess(model_dir, "--shutdown-timeout", timeout_s,
                          log_dir=tmp_path).wait_ready()
 
 
@@ -64,11 +64,13 @@ def test_requests_that_outlive_the_drain_end_well_formed(bundled_model_dir, tmp_
     assert "Traceback" not in log and "CancelledError" not in log
 
 
-def test_short_requests_finish_and_new_ones_get_503_on_new_connections(tiny_model_dir,
+def test_short_requests_finish_and_new_ones_get_503_on_new_connections(bundled_model_dir,
                                                                      tmp_path):
-    server = start(tiny_model_dir, tmp_path, "20")
+    # the bundled model, so the request is still decoding when a poll looks (the tiny model's
+    # base-only steps run 300 tokens between two polls) and ends well inside the 20 s drain
+    server = start(bundled_model_dir, tmp_path, "20")
     model = model_of(server)
-    body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True}
+    body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True}
     # a request that stays in flight until we let it go: its body never ends
     holder = socket.create_connection(("127.0.0.1", server.port))
     holder.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
