@@ -41,7 +41,7 @@ typedef void (*gemm_f32_fn)(const float *x, int64_t ldx, const float *packed, in
 #define KIND_F32_PANELS (-1)
 
 /* One projection: its kernel and that kernel's weight arguments (w, w2, w3 as the kernel
- * names them: panels, block sums, scales; or quants, scales, offsets; a float32 weight's
+ * names them: quants and scales and offsets, in panels or in dot order; a float32 weight's
  * panels are w, its kind KIND_F32_PANELS and fn a gemm_f32_fn) */
 typedef struct {
     gemm_fn fn;

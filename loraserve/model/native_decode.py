@@ -83,8 +83,8 @@ def _projection(linear) -> tuple[_Projection, object] | None:
     if linear.panels_q is not None:
         p, lib = linear.panels_q, linear.panel_library
         return (_Projection(_address(lib.qpanel_gemm), PANEL_KINDS[p.kind], p.out_features,
-                            p.in_features, p.w.data_ptr(), p.wsum.data_ptr(),
-                            p.scale.data_ptr()), lib.qpanel_work_bytes)
+                            p.in_features, p.w.data_ptr(), p.d.data_ptr(),
+                            0 if p.m is None else p.m.data_ptr()), lib.qpanel_work_bytes)
     lib, q = load_qgemm(), linear.qweight
     if lib is None:
         return None

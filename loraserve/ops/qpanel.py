@@ -1,9 +1,9 @@
 """Quantized weights in panels of 16 output rows, and `x @ W.T` over them on the AVX-512 VNNI
-micro-kernel (ops/qpanel_gemm.c says the layout and why): int8 per channel, GGUF Q8_0, and
-4-bit Q4_0 (`--quantization int4` makes the same). Where the host has no VNNI or no compiler
-`load_qpanel` is None, and the affine 4-bit formats (Q4_1, Q4_K) have no panels: those run on
-the dot-order kernel (ops/qgemm.py). Both quantize the activations the same way, so their
-integer dot products are equal."""
+micro-kernel (ops/qpanel_gemm.c says the layout and why): every format the dot-order kernel
+serves (int8 per channel, int4, GGUF Q8_0, Q4_0, Q4_1, Q4_K), with the same quants and scales.
+Where the host has no VNNI or no compiler `load_qpanel` is None and the dot-order kernel
+(ops/qgemm.py) serves them. Both quantize the activations the same way, so their integer dot
+products are equal."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import torch
 
 from loraserve.ops.cbuild import load_library_once
 from loraserve.ops.qgemm import call_buffers
-from loraserve.ops.quant_formats import Q4_F16, Q8_F16, Q8_ROW, QuantWeight
+from loraserve.ops.quant_formats import Q4_AFF16, Q4_AFF32, Q4_F16, Q8_F16, Q8_ROW, QuantWeight
 
 _SOURCE = Path(__file__).with_name("qpanel_gemm.c")
 PANEL = 16
-# QuantWeight kind -> the kernel's kind (qpanel_gemm.c: QP_Q8_ROW, QP_Q8_BLK, QP_Q4_BLK)
-PANEL_KINDS = {Q8_ROW: 0, Q8_F16: 1, Q4_F16: 2}
+# QuantWeight kind -> the kernel's kind (qpanel_gemm.c numbers them alike)
+PANEL_KINDS = {kind: kind for kind in (Q8_ROW, Q8_F16, Q4_F16, Q4_AFF16, Q4_AFF32)}
 
 
 def _configure(lib: ctypes.CDLL) -> ctypes.CDLL | None:
@@ -40,28 +40,34 @@ def load_qpanel(flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 
 @dataclass(frozen=True)
 class QuantPanels:
-    """A `[out_features, in_features]` quantized weight in panels: quants `w` (int8 `[P, K/4,
-    16, 4]`; 4-bit: uint8 `[P, K/8, 16, 4]`, two steps to a byte), `wsum` int32 `[P, K/32, 16]`
-    (128 x each block's quant sum), `scale` float32: row scales `[P * 16]` (int8 per channel)
-    or block scales `[P, K/32, 16]`."""
+    """A `[out_features, in_features]` quantized weight in panels: quants `w` (8-bit: uint8
+    q + 128 `[P, K/4, 16, 4]`; 4-bit: uint8 `[P, K/8, 16, 4]`, two steps to a byte), scales `d`
+    (row scales `[P * 16]` float32 for int8 per channel; else block scales `[P, K/32, 16]` in
+    the format's precision) and the affine formats' block offsets `m` (as `d`)."""
 
     kind: int  # the QuantWeight kind it was made from
     w: torch.Tensor
-    wsum: torch.Tensor
-    scale: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
     out_features: int
     in_features: int
 
     @property
     def nbytes(self) -> int:
-        """Bytes a product reads: quants, block sums and scales."""
-        return sum(t.numel() * t.element_size() for t in (self.w, self.wsum, self.scale))
+        """Bytes a product reads: quants, scales and offsets."""
+        return sum(t.numel() * t.element_size() for t in (self.w, self.d, self.m)
+                   if t is not None)
+
+    @property
+    def four_bit(self) -> bool:
+        return self.kind not in (Q8_ROW, Q8_F16)
 
     def quants(self) -> torch.Tensor:
-        """`[P * 16, K]` quants in natural order (padding rows included)."""
+        """`[P * 16, K]` quants in natural order (padding rows included): int8 for 8-bit, 0..15
+        for 4-bit."""
         k = self.in_features
-        if self.kind != Q4_F16:
-            return self.w.transpose(1, 2).reshape(-1, k)
+        if not self.four_bit:
+            return (self.w.to(torch.int16) - 128).to(torch.int8).transpose(1, 2).reshape(-1, k)
         lo, hi = self.w & 0x0F, self.w >> 4  # [P, K/8, 16, 4] each
         pairs = torch.stack([lo, hi], dim=3)  # [P, K/8, 16, 2, 4]
         return pairs.permute(0, 2, 1, 3, 4).reshape(-1, k)
@@ -71,10 +77,29 @@ class QuantPanels:
         n, k = self.out_features, self.in_features
         q = self.quants()[:n].to(torch.float32)
         if self.kind == Q8_ROW:
-            return self.scale[:n].view(n, 1) * q
-        d = self.scale.transpose(1, 2).reshape(-1, k // 32)[:n].unsqueeze(-1)
+            return self.d[:n].view(n, 1) * q
         blocks = q.view(n, k // 32, 32)
-        return (d * (blocks - 8 if self.kind == Q4_F16 else blocks)).reshape(n, k)
+        d = _natural(self.d, k)[:n].unsqueeze(-1)
+        if self.kind == Q4_F16:
+            w = d * (blocks - 8)
+        elif self.kind == Q8_F16:
+            w = d * blocks
+        else:
+            w = d * blocks + _natural(self.m, k)[:n].unsqueeze(-1)
+        return w.reshape(n, k)
+
+
+def _natural(blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """`[P, K/32, 16]` per-block values as float32 `[P * 16, K/32]`."""
+    return blocks.transpose(1, 2).reshape(-1, k // 32).to(torch.float32)
+
+
+def _block_panels(values: torch.Tensor, p: int) -> torch.Tensor:
+    """`[N, K/32]` per-block values (their dtype kept) as `[P, K/32, 16]`, padded with zeros."""
+    n, blocks = values.shape
+    out = torch.zeros(p * PANEL, blocks, dtype=values.dtype)
+    out[:n] = values
+    return out.view(p, PANEL, blocks).transpose(1, 2).contiguous()
 
 
 def pack_panels(qw: QuantWeight) -> QuantPanels:
@@ -83,24 +108,21 @@ def pack_panels(qw: QuantWeight) -> QuantPanels:
         raise ValueError(f"no panel layout for {qw.source} weights")
     n, k = qw.out_features, qw.in_features
     p = -(-n // PANEL)
-    signed = qw.kind != Q4_F16
-    q = torch.zeros(p * PANEL, k, dtype=torch.int8 if signed else torch.uint8)
-    q[:n] = qw.quants()
-    sums = q.view(p, PANEL, k // 32, 32).sum(-1, dtype=torch.int32)
-    wsum = (128 * sums).to(torch.int32).transpose(1, 2).contiguous()
-    if signed:
+    q = torch.zeros(p * PANEL, k, dtype=torch.uint8)
+    if qw.bits == 8:  # stored + 128: the kernel's unsigned operand
+        q[:n] = (qw.quants().to(torch.int16) + 128).to(torch.uint8)
         w = q.view(p, PANEL, k // 4, 4).transpose(1, 2).contiguous()
     else:
+        q[:n] = qw.quants()
         pairs = q.view(p, PANEL, k // 8, 2, 4)
         w = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).transpose(1, 2).contiguous()
     if qw.kind == Q8_ROW:
-        scale = torch.zeros(p * PANEL, dtype=torch.float32)
-        scale[:n] = qw.d
+        d = torch.zeros(p * PANEL, dtype=torch.float32)
+        d[:n] = qw.d
     else:
-        d = torch.zeros(p * PANEL, k // 32, dtype=torch.float32)
-        d[:n] = qw.d.to(torch.float32)
-        scale = d.view(p, PANEL, k // 32).transpose(1, 2).contiguous()
-    return QuantPanels(qw.kind, w, wsum, scale, n, k)
+        d = _block_panels(qw.d, p)
+    m = _block_panels(qw.m, p) if qw.m is not None else None
+    return QuantPanels(qw.kind, w, d, m, n, k)
 
 
 def qpanel_linear(x: torch.Tensor, panels: QuantPanels, lib: ctypes.CDLL) -> torch.Tensor:
@@ -110,7 +132,8 @@ def qpanel_linear(x: torch.Tensor, panels: QuantPanels, lib: ctypes.CDLL) -> tor
         return y
     m, k = x.shape
     rc = lib.qpanel_gemm(PANEL_KINDS[panels.kind], x.data_ptr(), x.stride(0), m, k,
-                         panels.w.data_ptr(), panels.wsum.data_ptr(), panels.scale.data_ptr(),
+                         panels.w.data_ptr(), panels.d.data_ptr(),
+                         None if panels.m is None else panels.m.data_ptr(),
                          panels.out_features, y.data_ptr(), panels.out_features,
                          work.data_ptr(), torch.get_num_threads())
     if rc != 0:

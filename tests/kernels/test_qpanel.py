@@ -1,22 +1,23 @@
-"""The quantized panel GEMM (ops/qpanel_gemm.c, AVX-512 VNNI) for int8 per channel, GGUF
-Q8_0 and Q4_0 (int4), against the dot-order kernel (ops/qgemm_cpu.c), which quantizes the
+"""The quantized panel GEMM (ops/qpanel_gemm.c, AVX-512 VNNI) for int8 per channel, int4 and
+GGUF Q8_0, Q4_0, Q4_1 and Q4_K, against the dot-order kernel (ops/qgemm_cpu.c), which quantizes the
 activations the same way: equal integer dot products, so equal to float32 rounding (rel.
 1e-5) for every row count and an output count that is not a multiple of the panel; a row's
 result bit for bit the same alone or anywhere in a batch; the same with any thread count;
-the panels decode to the weight they were made from."""
+the panels decode to the weight they were made from and read the format's bytes, no more."""
 
 from __future__ import annotations
 
 import gguf
 import pytest
 import torch
+from gguf_factory import random_q4k
 
 from loraserve.ops import quant_formats as qf
 from loraserve.ops.qgemm import load_qgemm, qlinear
 from loraserve.ops.qpanel import PANEL, load_qpanel, pack_panels, qpanel_linear
 
 N, K = 83, 768  # 83 outputs: five full panels and a partial one
-FORMATS = ["int8", "Q8_0", "int4"]
+FORMATS = ["int8", "Q8_0", "int4", "Q4_0", "Q4_1", "Q4_K"]
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +30,11 @@ def lib():
 
 def _weight(fmt: str, seed: int = 0) -> qf.QuantWeight:
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * 0.05
-    if fmt == "Q8_0":
-        raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0)
-        return qf.from_gguf("Q8_0", raw, (N, K))
+    if fmt == "Q4_K":  # gguf has no Q4_K quantizer
+        return qf.from_gguf(fmt, random_q4k(N, K, seed), (N, K))
+    if fmt in qf.GGUF_FORMATS:
+        raw = gguf.quants.quantize(w.numpy(), getattr(gguf.GGMLQuantizationType, fmt))
+        return qf.from_gguf(fmt, raw, (N, K))
     return qf.quantize_int8(w) if fmt == "int8" else qf.quantize_int4(w)
 
 
@@ -76,13 +79,5 @@ def test_panels_decode_to_the_weight(fmt):
     panels = pack_panels(qw)
     assert torch.equal(panels.dequantize(), qw.dequantize())
     padded = -(-N // PANEL) * PANEL
-    quant_bytes = padded * K // (2 if fmt == "int4" else 1)
-    scale_bytes = padded * 4 if fmt == "int8" else padded * (K // 32) * 4
-    assert panels.nbytes == quant_bytes + padded * (K // 32) * 4 + scale_bytes
-
-
-def test_affine_formats_have_no_panels():
-    w = torch.randn(N, K) * 0.05
-    raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1)
-    with pytest.raises(ValueError, match="no panel layout for Q4_1"):
-        pack_panels(qf.from_gguf("Q4_1", raw, (N, K)))
+    # quants, scales and offsets in the format's precision, padded to whole panels
+    assert panels.nbytes == qw.nbytes * padded // N
