@@ -158,3 +158,18 @@ class ModelConfig:
         per_layer += self.num_experts * (3 * self.moe_intermediate_size + 1) * self.hidden_size
         emb = self.vocab_size * self.hidden_size
         return self.num_hidden_layers * per_layer + emb * (1 if self.tie_word_embeddings else 2)
+
+    @property
+    def attention_cost_per_position(self) -> float:
+        """What attending to one earlier position costs a token, relative to the token's pass
+        through the weights: per layer 2 x heads x head_dim multiply-adds (scores and values)
+        against the weights one token multiplies (its routed experts only; lm_head, not the
+        embedding lookup). A token at position 4,000 of a 135M model costs about twice one at
+        position 0: fair scheduling charges by it."""
+        routed_away = (self.num_hidden_layers * (self.num_experts - self.num_experts_per_tok)
+                       * 3 * self.moe_intermediate_size * self.hidden_size)
+        lookup = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        per_token = self.num_params - routed_away - lookup
+        per_position = (self.num_hidden_layers * 2 * self.num_attention_heads
+                        * self.head_dim)
+        return per_position / per_token

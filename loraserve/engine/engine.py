@@ -87,7 +87,8 @@ class LLMEngine(RequestIntake, AdapterAdmin):
                                   scratch_block=graphs)
         if graphs:
             self.runner.enable_decode_graphs(c.cuda_graph_max_bs, self.max_model_len)
-        self.scheduler = Scheduler(c, self.kv, self.store, eos, self.max_model_len)
+        self.scheduler = Scheduler(c, self.kv, self.store, eos, self.max_model_len,
+                                   mc.attention_cost_per_position)
         # adapters change no token embedding, so every route shares the base's grammars
         self.grammars = GrammarCompiler(self.tokenizer.hf, mc.vocab_size, eos)
         self.output_processor = OutputProcessor(self.tokenizer)

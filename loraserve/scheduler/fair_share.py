@@ -1,13 +1,15 @@
 """Fairness between clients by tokens served: the Virtual Token Counter (Sheng et al.,
 "Fairness in Serving Large Language Models", OSDI 2024).
 
-Every client has a counter of the service it received: each prefill token computed for it
-adds 1, each decode token `decode_weight`. Whenever the scheduler has prefill work to hand out
-(a new request to admit, or the next chunk of a long prompt), the client with the lowest
-counter goes first; a client that arrives (has no live request) has its counter lifted to the
-lowest counter among the active clients, so idling earns no credit to flood with later, and a
-newcomer is never behind the ones already served. A client with many sequences thus gets its
-share of the prefill budget and of the seats, not the machine.
+Every client has a counter of the service it received: each prefill token computed for it adds
+1, each decode token `decode_weight`, both times (1 + context_cost x the token's position),
+since a token attends to every position before it: a chunk deep in a long prompt costs the
+engine several times a short prompt's token, and is charged so. Whenever the scheduler has
+prefill work to hand out (a new request to admit, or the next chunk of a long prompt), the
+client with the lowest counter goes first; a client that arrives (has no live request) has its
+counter lifted to the lowest counter among the active clients, so idling earns no credit to
+flood with later, and a newcomer is never behind the ones already served. A client with many
+sequences thus gets its share of the prefill budget and of the seats, not the machine.
 
 Within one client, the request served least goes first (fewest tokens computed, then the
 earliest): a short request is not held behind its own client's long prompt. When every seat
@@ -31,8 +33,9 @@ def client_key(req: Request) -> str | None:
 
 
 class VirtualTokenCounter:
-    def __init__(self, decode_weight: float = 2.0):
+    def __init__(self, decode_weight: float = 2.0, context_cost: float = 0.0):
         self.decode_weight = decode_weight
+        self.context_cost = context_cost  # ModelConfig.attention_cost_per_position
         self.counters: dict[str | None, float] = {}
         self.live: Counter[str | None] = Counter()  # live requests per client
 
@@ -61,10 +64,16 @@ class VirtualTokenCounter:
                 self.counters.clear()
 
     def charge(self, req: Request, prefill_tokens: int = 0, decode_tokens: int = 0) -> None:
-        """Service given to `req`'s client this step."""
+        """Service given to `req`'s client this step: tokens from its next position on."""
         client = client_key(req)
-        self.counters[client] = (self.counter(client) + prefill_tokens
-                                 + self.decode_weight * decode_tokens)
+        start = req.num_computed_tokens
+        cost = (self._tokens(prefill_tokens, start)
+                + self.decode_weight * self._tokens(decode_tokens, start + prefill_tokens))
+        self.counters[client] = self.counter(client) + cost
+
+    def _tokens(self, n: int, start: int) -> float:
+        """n tokens at positions start.. : each 1 plus what its context costs."""
+        return n * (1.0 + self.context_cost * (start + (n - 1) / 2)) if n else 0.0
 
     def _forget_idle(self) -> None:
         # An idle client whose counter is at most the lowest active one would be lifted to

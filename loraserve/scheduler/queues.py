@@ -18,14 +18,15 @@ from loraserve.types import FinishReason
 
 
 class RequestQueues:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, adapters: AdapterResidency):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, adapters: AdapterResidency,
+                 context_cost: float = 0.0):
         self.config = config
         self.kv = kv
         self.adapters = adapters
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.paused: dict[str, Request] = {}  # their clients do not read (see pause())
-        self.vtc = VirtualTokenCounter(config.fair_decode_weight)
+        self.vtc = VirtualTokenCounter(config.fair_decode_weight, context_cost)
 
     def add(self, req: Request) -> None:
         """Queue a request, fairly across origins: the k-th waiting request of a client

@@ -46,8 +46,11 @@ def _origin(req: Request) -> str | None:
 class Scheduler(RequestQueues):
     def __init__(self, config: EngineConfig, kv: KVCacheManager,
                  adapters: AdapterResidency | None = None, eos_token_ids: Iterable[int] = (),
-                 max_model_len: int | None = None):
-        super().__init__(config, kv, adapters or _NoAdapters(config.max_loras_per_batch))
+                 max_model_len: int | None = None, context_cost: float = 0.0):
+        # context_cost: ModelConfig.attention_cost_per_position, what fair shares charge for
+        # a token's context (fair_share.py)
+        super().__init__(config, kv, adapters or _NoAdapters(config.max_loras_per_batch),
+                         context_cost)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len or config.max_model_len or 10**9
         self.pace = StepPace(config.decode_pace_factor, config.max_num_batched_tokens)
