@@ -15,7 +15,15 @@ import torch
 
 from loraserve.ops.cbuild import load_library_once
 from loraserve.ops.qgemm import call_buffers
-from loraserve.ops.quant_formats import Q4_AFF16, Q4_AFF32, Q4_F16, Q8_F16, Q8_ROW, QuantWeight
+from loraserve.ops.quant_formats import (
+    Q4_AFF16,
+    Q4_AFF32,
+    Q4_F16,
+    Q8_F16,
+    Q8_ROW,
+    QuantWeight,
+    dequantize_blocks,
+)
 
 _SOURCE = Path(__file__).with_name("qpanel_gemm.c")
 PANEL = 16
@@ -78,20 +86,13 @@ class QuantPanels:
         q = self.quants()[:n].to(torch.float32)
         if self.kind == Q8_ROW:
             return self.d[:n].view(n, 1) * q
-        blocks = q.view(n, k // 32, 32)
-        d = _natural(self.d, k)[:n].unsqueeze(-1)
-        if self.kind == Q4_F16:
-            w = d * (blocks - 8)
-        elif self.kind == Q8_F16:
-            w = d * blocks
-        else:
-            w = d * blocks + _natural(self.m, k)[:n].unsqueeze(-1)
-        return w.reshape(n, k)
+        m = None if self.m is None else _natural(self.m, k)[:n]
+        return dequantize_blocks(self.kind, q, _natural(self.d, k)[:n], m)
 
 
 def _natural(blocks: torch.Tensor, k: int) -> torch.Tensor:
-    """`[P, K/32, 16]` per-block values as float32 `[P * 16, K/32]`."""
-    return blocks.transpose(1, 2).reshape(-1, k // 32).to(torch.float32)
+    """`[P, K/32, 16]` per-block values as `[P * 16, K/32]`."""
+    return blocks.transpose(1, 2).reshape(-1, k // 32)
 
 
 def _block_panels(values: torch.Tensor, p: int) -> torch.Tensor:

@@ -67,19 +67,27 @@ class QuantWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight, computed as GGUF's reference decoders compute it."""
-        n, k = self.out_features, self.in_features
+        n = self.out_features
         q = self.quants().to(torch.float32)
         if self.kind == Q8_ROW:
             return self.d.view(n, 1) * q
-        blocks = q.view(n, k // 32, 32)
-        d = self.d.to(torch.float32).unsqueeze(-1)
-        if self.kind == Q4_F16:
-            w = d * (blocks - 8)
-        elif self.kind == Q8_F16:
-            w = d * blocks
-        else:
-            w = d * blocks + self.m.to(torch.float32).unsqueeze(-1)
-        return w.reshape(n, k)
+        return dequantize_blocks(self.kind, q, self.d, self.m)
+
+
+def dequantize_blocks(kind: int, q: torch.Tensor, d: torch.Tensor,
+                      m: torch.Tensor | None) -> torch.Tensor:
+    """float32 `[N, K]` of a block format's quants `q` (float32 `[N, K]`, natural order) and
+    its per-block scales `d` and offsets `m` (`[N, K / 32]`), as GGUF's decoders compute it."""
+    n, k = q.shape
+    blocks = q.view(n, k // 32, 32)
+    d = d.to(torch.float32).unsqueeze(-1)
+    if kind == Q4_F16:
+        w = d * (blocks - 8)
+    elif kind == Q8_F16:
+        w = d * blocks
+    else:
+        w = d * blocks + m.to(torch.float32).unsqueeze(-1)
+    return w.reshape(n, k)
 
 
 def supports(in_features: int) -> bool:

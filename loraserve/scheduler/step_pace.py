@@ -22,7 +22,7 @@ The budget stays within [min_chunk, max_tokens]: a long prompt always progresses
 first step is measured nothing caps it (the engine measures every step; model-free callers
 schedule as if uncapped); from then on it starts at `initial` until the loop moves it. A step
 with no decodes keeps the last budget: a request that arrives during it waits at most that
-long (one step of max_tokens was a second on a two-core CPU, a newcomer's first token with it).
+long (a step of max_tokens is long on a small CPU, and a newcomer's first token waits for it).
 
 With `average` (between clients, scheduler.py), the bound holds on average too: a step over
 `factor` x the reference leaves a debt of its excess, and until later steps have paid it (a
