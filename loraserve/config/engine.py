@@ -117,6 +117,11 @@ class EngineConfig:
              "a decode-only step (costs measured as the engine runs): long prompts are chunked "
              "so that decodes and short requests keep their pace; 0: no cap (a step may take "
              "max_num_batched_tokens)")
+    pace_calibration: bool = knob(
+        True, "before serving, time decode-only steps at batch sizes 1, 2, 4, ... up to "
+              "max_num_seqs, so the decode pace factor judges the first burst by a measured "
+              "step of its size (about a second on a small CPU)",
+        off_flag="--disable-pace-calibration")
     tenant_pace_factor: float = knob(
         1.5, "fair scheduling, several clients: steps take on average at most this many times "
              "a step of only the decodes of the clients within their share of seats; prefill "

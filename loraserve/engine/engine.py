@@ -27,6 +27,7 @@ from loraserve.engine.adapter_admin import AdapterAdmin
 from loraserve.engine.invariants import InvariantReport, check_engine
 from loraserve.engine.kv_sizing import size_kv_cache
 from loraserve.engine.output_processor import OutputProcessor, to_output
+from loraserve.engine.pace_calibration import calibrate_decode_pace
 from loraserve.engine.request_intake import RequestIntake
 from loraserve.engine.runner import ModelRunner
 from loraserve.kvcache.manager import KVCacheManager
@@ -102,6 +103,8 @@ class LLMEngine(RequestIntake, AdapterAdmin):
         self.num_steps = 0
         self.base_prefix = AdapterStats()  # the base model's prefix-cache counters
         self.trimmer = MemoryTrimmer()  # adapter churn frees across threads: give pages back
+        if c.pace_calibration:
+            calibrate_decode_pace(self)
 
     # --- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
