@@ -37,9 +37,6 @@
 
 #define PANEL 16 /* output rows of a panel: the int32 lanes of one AVX-512 register */
 #define ROWS QPANEL_TILE_ROWS
-#ifndef QPANEL_PREFETCH_PANELS
-#define QPANEL_PREFETCH_PANELS 0
-#endif
 _Static_assert(ROWS == 4, "tile_any dispatches tiles of 1 to 4 rows");
 
 enum { QP_Q8_ROW = 0, QP_Q8_F16 = 1, QP_Q4_F16 = 2, QP_Q4_AFF16 = 3, QP_Q4_AFF32 = 4 };
@@ -93,7 +90,7 @@ static inline __attribute__((always_inline)) __m512 block_floats(int KIND, const
  * the panel's scales and offsets (QP_Q8_ROW: its sixteen row scales). */
 static inline __attribute__((always_inline)) void tile(
         int KIND, int MR, uint8_t *const *a, int64_t K, const uint8_t *w, const void *d,
-        const void *m, const uint8_t *pf, float out[ROWS][PANEL]) {
+        const void *m, float out[ROWS][PANEL]) {
     const int64_t B = K / 32;
     /* the weights' offset per unit of x's block sum: 8-bit quants are stored + 128, Q4_0's
      * are q - 8 stored + 8; the affine kinds add d * q + m, their offset taken apart */
@@ -107,7 +104,6 @@ static inline __attribute__((always_inline)) void tile(
             const __m512i low = _mm512_set1_epi8(0x0f);
             for (int t = 0; t < 4; t++) {
                 const __m512i v = _mm512_loadu_si512(w + (4 * b + t) * 64);
-                if (QPANEL_PREFETCH_PANELS) _mm_prefetch((const char *)pf + (4 * b + t) * 64, _MM_HINT_T0);
                 const __m512i w0 = _mm512_and_si512(v, low);
                 const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
                 for (int r = 0; r < MR; r++) {
@@ -118,7 +114,6 @@ static inline __attribute__((always_inline)) void tile(
         } else {
             for (int s = 0; s < 8; s++) {
                 const __m512i wv = _mm512_loadu_si512(w + (8 * b + s) * 64);
-                if (QPANEL_PREFETCH_PANELS) _mm_prefetch((const char *)pf + (8 * b + s) * 64, _MM_HINT_T0);
                 for (int r = 0; r < MR; r++)
                     sum[r] = _mm512_dpbusd_epi32(sum[r], wv, bcast4(a[r] + 32 * b + 4 * s));
             }
@@ -143,15 +138,15 @@ static inline __attribute__((always_inline)) void tile(
 #define TILE_FOR(KIND)                                                                    \
     case KIND:                                                                            \
         switch (mr) {                                                                     \
-        case 1: tile(KIND, 1, a, K, w, d, m, pf, out); break;                                 \
-        case 2: tile(KIND, 2, a, K, w, d, m, pf, out); break;                                 \
-        case 3: tile(KIND, 3, a, K, w, d, m, pf, out); break;                                 \
-        default: tile(KIND, 4, a, K, w, d, m, pf, out); break;                                \
+        case 1: tile(KIND, 1, a, K, w, d, m, out); break;                                 \
+        case 2: tile(KIND, 2, a, K, w, d, m, out); break;                                 \
+        case 3: tile(KIND, 3, a, K, w, d, m, out); break;                                 \
+        default: tile(KIND, 4, a, K, w, d, m, out); break;                                \
         }                                                                                 \
         break;
 
 static void tile_any(int kind, int mr, uint8_t *const *a, int64_t K, const uint8_t *w,
-                     const void *d, const void *m, const uint8_t *pf, float out[ROWS][PANEL]) {
+                     const void *d, const void *m, float out[ROWS][PANEL]) {
     switch (kind) {
         TILE_FOR(QP_Q8_ROW)
         TILE_FOR(QP_Q8_F16)
@@ -190,7 +185,7 @@ int qpanel_gemm(int kind, const float *x, int64_t ldx, int64_t M, int64_t K, con
             uint8_t *a[ROWS];
             float out[ROWS][PANEL];
             for (int i = 0; i < mr; i++) a[i] = act + (r0 + i) * rb;
-            tile_any(kind, mr, a, K, w, dp, mp, w + QPANEL_PREFETCH_PANELS * wpanel, out);
+            tile_any(kind, mr, a, K, w, dp, mp, out);
             for (int i = 0; i < mr; i++) memcpy(y + (r0 + i) * ldy + n0, out[i], nv * 4);
         }
     }
