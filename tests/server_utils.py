@@ -25,13 +25,15 @@ class ServerProcess:
     """`python -m loraserve.cli serve --model MODEL --port P ARGS...`, its log in a file."""
 
     def __init__(self, model_dir: str | Path, *args: str, log_dir: str | Path,
-                 api_key: str | None = None):
+                 api_key: str | None = None, calibrate: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = Path(log_dir) / f"server-{self.port}.log"
         cmd = [sys.executable, "-m", "loraserve.cli", "serve", "--model", str(model_dir),
                "--port", str(self.port), "--num-threads", "1", *args]
+        if not calibrate:  # a second per start on one thread; its own test starts one with it
+            cmd.append("--disable-pace-calibration")
         env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
