@@ -23,13 +23,24 @@ class LocalCluster:
         from loraserve.cluster.launch import OBJECT_STORE_BYTES, deploy
 
         self.spec = spec
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         ray.init(num_cpus=max(2, spec.cluster.replicas), include_dashboard=False,
                  object_store_memory=OBJECT_STORE_BYTES, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": str(REPO),
                                            "TOKENIZERS_PARALLELISM": "false"}})
-        deploy(spec, "127.0.0.1", self.port, name=APP)
+        # a port free a moment ago can be taken as the source port of one of Ray's own
+        # connections before Serve's proxy binds it: then another port
+        for attempt in range(3):
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            try:
+                deploy(spec, "127.0.0.1", self.port, name=APP)
+                break
+            except Exception as e:
+                if "Failed to bind" not in str(e) or attempt == 2:
+                    raise
+                from ray import serve
+
+                serve.shutdown()
         self.wait_replicas(spec.cluster.replicas)
 
     def stop(self) -> None:
