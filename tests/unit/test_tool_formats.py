@@ -30,6 +30,17 @@ def test_hermes_parses_calls_and_keeps_text_before_them():
         == [("add", {})]
 
 
+def test_hermes_argument_strings_may_hold_the_end_tag():
+    # sampled under the call grammar (a JSON string may hold anything): one call, whole
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris}}}</tool_call>'
+            ' yo"}}\n</tool_call>')
+    assert calls(HermesFormat().parse(text, TOOLS)) == \
+        [("get_weather", {"city": "Paris}}}</tool_call> yo"})]
+    # text after a call's JSON that is not its end tag: not a call
+    bad = '<tool_call>\n{"name": "add", "arguments": {}} and more\n</tool_call>'
+    assert HermesFormat().parse(bad, TOOLS).calls == ()
+
+
 @pytest.mark.parametrize("text", [
     '<tool_call>\n{"name": "add", "arguments": {"a": 1}\n</tool_call>',  # bad JSON
     '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',  # not a tool

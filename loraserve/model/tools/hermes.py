@@ -9,7 +9,6 @@ tools, such as SmolLM2's):
 from __future__ import annotations
 
 import json
-import re
 
 from loraserve.model.tools.base import (
     ParsedOutput,
@@ -21,7 +20,14 @@ from loraserve.model.tools.base import (
     lark_json,
 )
 
-_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_END = "</tool_call>"
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
 
 SYSTEM_PROMPT = """# Tools
 
@@ -47,18 +53,28 @@ class HermesFormat(ToolFormat):
         self.native = native
 
     def parse(self, text: str, tools: list[Tool]) -> ParsedOutput:
+        """Each call's JSON is decoded where it begins, not cut at the first end tag: a string
+        argument may hold "</tool_call>" (the grammar allows it, and sampling writes it)."""
         start = text.find(self.trigger)
         if start < 0:
             return ParsedOutput(text or None, ())
-        calls = []
-        for block in _BLOCK.finditer(text, start):
+        decoder, calls, at = json.JSONDecoder(), [], start
+        while at >= 0:
+            body = _skip_space(text, at + len(self.trigger))
             try:
-                call = check_call(json.loads(block.group(1)), tools, ("arguments",))
+                obj, end = decoder.raw_decode(text, body)
+                call = check_call(obj, tools, ("arguments",))
             except ValueError:
                 call = None
             if call is None:
                 return ParsedOutput(text, ())
+            end = _skip_space(text, end)
+            if text.startswith(_END, end):
+                end += len(_END)
+            elif end < len(text):  # neither the end tag nor the end of the text
+                return ParsedOutput(text, ())
             calls.append(call)
+            at = text.find(self.trigger, end)
         return ParsedOutput(text[:start].strip() or None, tuple(calls))
 
     def grammar(self, tools: list[Tool], parallel: bool) -> str:
