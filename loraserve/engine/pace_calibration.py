@@ -38,7 +38,7 @@ def batch_sizes(max_num_seqs: int, max_sequences: int) -> list[int]:
     """1, 2, 4, ... (one per size class), then the largest batch the engine can run, so the
     top class is measured too. `max_sequences`: what the KV cache and token budget allow."""
     top = max(1, min(max_num_seqs, max_sequences))
-    sizes = [1 << i for i in range(top.bit_length()) if 1 << i <= top]
+    sizes = [1 << i for i in range(top.bit_length())]
     if sizes[-1] != top:
         sizes.append(top)
     return sizes
