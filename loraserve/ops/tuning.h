@@ -62,9 +62,16 @@
 
 /* ---- Quantized panel GEMM (ops/qpanel_gemm.c) -------------------------------------------- */
 
-/* rows of x per panel pass: one int32 and one float32 accumulator of 16 lanes each, with the
- * panel's weights and the broadcast bytes, within AVX-512's 32 registers (memory_floor.py) */
+/* rows of x per panel pass: per row, one int32 and one float32 accumulator of 16 lanes each
+ * (two ymm apiece on AVX2), with the panel's weights and the broadcast bytes: within
+ * AVX-512's 32 registers at 4 rows (memory_floor.py) */
+#ifndef QPANEL_TILE_ROWS
+#ifdef __AVX512F__
 #define QPANEL_TILE_ROWS 4
+#else
+#define QPANEL_TILE_ROWS 4
+#endif
+#endif
 /* M * K below which the activations are quantized on one thread; N * K below which the panels
  * are: under these a parallel region costs more than it splits */
 #define QPANEL_QUANTIZE_PARALLEL_MIN 8192

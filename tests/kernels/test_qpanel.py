@@ -1,16 +1,21 @@
-"""The quantized panel GEMM (ops/qpanel_gemm.c, AVX-512 VNNI) for int8 per channel, int4 and
-GGUF Q8_0, Q4_0, Q4_1 and Q4_K, against the dot-order kernel (ops/qgemm_cpu.c), which quantizes the
+"""The quantized panel GEMM (ops/qpanel_gemm.c) on the native build (AVX-512 VNNI here) and
+the AVX2 build (-march=x86-64-v3), for int8 per channel, int4 and GGUF Q8_0, Q4_0, Q4_1 and
+Q4_K, against the dot-order kernel (ops/qgemm_cpu.c) of the same build, which quantizes the
 activations the same way: equal integer dot products, so equal to float32 rounding (rel.
-1e-5) for every row count and an output count that is not a multiple of the panel; a row's
-result bit for bit the same alone or anywhere in a batch; the same with any thread count;
-the panels decode to the weight they were made from and read the format's bytes, no more."""
+1e-5) for every row count and an output count that is not a multiple of the panel; both
+builds give the same bits; 8-bit quants at the ends of their range (-128, 127) against x at
+its own (+-127), where AVX2's int16 pairs are closest to saturating, equal the exact product;
+a row's result bit for bit the same alone or anywhere in a batch; the same with any thread
+count; the panels decode to the weight they were made from and read the format's bytes."""
 
 from __future__ import annotations
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from gguf_factory import random_q4k
+from test_qgemm import quantized_activations
 
 from loraserve.ops import quant_formats as qf
 from loraserve.ops.qgemm import load_qgemm, qlinear
@@ -18,13 +23,29 @@ from loraserve.ops.qpanel import PANEL, load_qpanel, pack_panels, qpanel_linear
 
 N, K = 83, 768  # 83 outputs: five full panels and a partial one
 FORMATS = ["int8", "Q8_0", "int4", "Q4_0", "Q4_1", "Q4_K"]
+BUILDS = {"native": (), "avx2": ("-march=x86-64-v3",)}
+ISAS = {1: "avx2", 2: "avx512-vnni"}
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDS))
+def build(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def lib():
-    lib = load_qpanel()
+def lib(build):
+    lib = load_qpanel(BUILDS[build])
     if lib is None:
-        pytest.skip("no AVX-512 VNNI (or no compiler) here: the dot-order kernel serves these")
+        pytest.skip(f"the panel kernel does not build for {build} here (no compiler, or "
+                    "neither AVX2 nor AVX-512 VNNI): the dot-order kernel serves these")
+    return lib
+
+
+@pytest.fixture(scope="module")
+def dot_order(build):
+    lib = load_qgemm(BUILDS[build])
+    if lib is None:
+        pytest.skip(f"the dot-order kernel does not build for {build} here")
     return lib
 
 
@@ -40,14 +61,49 @@ def _weight(fmt: str, seed: int = 0) -> qf.QuantWeight:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64])
-def test_equals_the_dot_order_kernel(lib, fmt, rows):
-    if load_qgemm() is None:
-        pytest.skip("the dot-order kernel does not build here")
+def test_equals_the_dot_order_kernel(lib, dot_order, fmt, rows):
     qw = _weight(fmt)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
-    got, ref = qpanel_linear(x, pack_panels(qw), lib), qlinear(x, qw)
+    got, ref = qpanel_linear(x, pack_panels(qw), lib), qlinear(x, qw, dot_order)
     assert got.shape == (rows, N)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_the_build_targets_its_isa(lib, build):
+    native = load_qpanel(BUILDS["native"])
+    expected = ISAS[native.qpanel_available()] if build == "native" else "avx2"
+    assert ISAS[lib.qpanel_available()] == expected
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_both_builds_give_the_same_bits(fmt):
+    libs = {b: load_qpanel(f) for b, f in BUILDS.items()}
+    if any(lib is None for lib in libs.values()):
+        pytest.skip("the panel kernel builds for only one of the ISAs here")
+    panels = pack_panels(_weight(fmt, 7))
+    x = torch.randn(37, K, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(qpanel_linear(x, panels, libs["native"]),
+                       qpanel_linear(x, panels, libs["avx2"]))
+
+
+def _q8_0_at_the_ends(seed: int) -> qf.QuantWeight:
+    """GGUF Q8_0 blocks (a float16 scale, 32 int8 quants) whose quants are -128 or 127."""
+    rng = np.random.default_rng(seed)
+    blocks = np.zeros((N * K // 32,), dtype=[("d", "<f2"), ("q", "i1", (32,))])
+    blocks["d"] = rng.uniform(0.001, 0.01, blocks.shape).astype(np.float16)
+    blocks["q"] = np.where(rng.random((blocks.shape[0], 32)) < 0.5, -128, 127)
+    return qf.from_gguf("Q8_0", blocks.view(np.uint8), (N, K))
+
+
+def test_8bit_quants_at_the_ends_of_their_range(lib):
+    qw = _q8_0_at_the_ends(3)
+    assert qw.quants().min() == -128 and qw.quants().max() == 127
+    # every block of x has its quants at +-127: |q| * 127 in each pair, the most it can be
+    x = torch.where(torch.rand(9, K, generator=torch.Generator().manual_seed(3)) < 0.5,
+                    -1.0, 1.0)
+    got = qpanel_linear(x, pack_panels(qw), lib)
+    exact = (quantized_activations(x) @ qw.dequantize().double().T).float()
+    torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
