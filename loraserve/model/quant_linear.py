@@ -25,8 +25,8 @@ QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
 
 class QuantLinear:
     """A bias-free projection over a quantized `[d_out, d_in]` weight: in the panels of the
-    VNNI micro-kernel where the host has it and the format has them (ops/qpanel.py; the
-    dot-order copy is not kept), else in dot order (ops/qgemm.py)."""
+    micro-kernel where it builds (ops/qpanel.py; the dot-order copy is not kept), else in dot
+    order (ops/qgemm.py)."""
 
     panels = None  # not our float32 GEMM's layout: LoRA deltas are added after the product
 

@@ -1,9 +1,10 @@
-"""Quantized weights in panels of 16 output rows, and `x @ W.T` over them on the AVX-512 VNNI
-micro-kernel (ops/qpanel_gemm.c says the layout and why): every format the dot-order kernel
-serves (int8 per channel, int4, GGUF Q8_0, Q4_0, Q4_1, Q4_K), with the same quants and scales.
-Where the host has no VNNI or no compiler `load_qpanel` is None and the dot-order kernel
-(ops/qgemm.py) serves them. Both quantize the activations the same way, so their integer dot
-products are equal."""
+"""Quantized weights in panels of 16 output rows, and `x @ W.T` over them on the panel
+micro-kernel (ops/qpanel_gemm.c says the layout and why; AVX-512 VNNI or AVX2, whichever the
+build targets, with the same results): every format the dot-order kernel serves (int8 per
+channel, int4, GGUF Q8_0, Q4_0, Q4_1, Q4_K), with the same quants and scales. Where it cannot be
+built `load_qpanel` is None and the dot-order kernel (ops/qgemm.py) serves them; that kernel
+needs the same ISAs, so in practice it is the panel kernel's test reference. Both quantize the
+activations the same way, so their integer dot products are equal."""
 
 from __future__ import annotations
 
