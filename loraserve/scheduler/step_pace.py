@@ -21,8 +21,13 @@ decode-only step of those decodes. Both times are measured as the engine runs (`
 The budget stays within [min_chunk, max_tokens]: a long prompt always progresses. Before the
 first step is measured nothing caps it (the engine measures every step; model-free callers
 schedule as if uncapped); from then on it starts at `initial` until the loop moves it. A step
-with no decodes keeps the last budget: a request that arrives during it waits at most that
-long (a step of max_tokens is long on a small CPU, and a newcomer's first token waits for it).
+with no decodes is bounded by the last budget: a request that arrives during it waits at most
+that long (a step of max_tokens is long on a small CPU, and a newcomer's first token waits for
+it). Such a step only grows the budget, up to the bound of the batch its work will make
+(`rows`, as above): one client's burst that arrives all at once prefills with no decodes for
+many steps, and a budget left small by the end of the burst before would cut the whole of it
+into chunks far under what the bound allows, each one reading every weight again. It never
+shrinks the budget: nobody's pace was slowed.
 
 With `average` (between clients, scheduler.py), the bound holds on average too: a step over
 `factor` x the reference leaves a debt of its excess, and until later steps have paid it (a
@@ -107,10 +112,12 @@ class StepPace:
             return
         self.steps_since_reference += 1
         judge = self.judged_by(num_decodes, self.rows)
-        if judge is None or num_decodes == 0:
-            return  # nothing to judge it by, or nobody it could have slowed
+        if judge is None:
+            return  # nothing to judge it by
         ratio = seconds / judge
         if ratio <= self.factor and num_prefill < 0.9 * self.budget:
             return  # the budget did not bind: no evidence that more would fit
+        if num_decodes == 0 and ratio > self.factor:
+            return  # nobody it could have slowed
         scale = min(2.0, max(0.25, self.factor / ratio)) ** 0.5
         self.budget = max(self.min_chunk, min(self.max_tokens, self.budget * scale))

@@ -76,6 +76,37 @@ def test_step_pace_keeps_a_reference_per_batch_size_and_bounds_idle_steps():
     assert pace.prefill_budget(0, True) == int(pace.budget) < 2048
 
 
+def test_step_pace_grows_a_small_budget_for_a_burst_with_nobody_decoding():
+    # a budget left small by the end of the burst before; 32 prompts arrive at once and
+    # prefill with no decodes: judged by the step of the 32 they will make, it opens up to
+    # the factor, and a step over the factor with nobody decoding does not shrink it
+    pace = StepPace(factor=3.0, max_tokens=2048, initial=40)
+    pace.observe(32, 0, 0.040)  # 32 decodes: 40 ms
+
+    def step_time(prefill):  # 1 ms a prompt token
+        return 0.001 * prefill
+
+    for _ in range(30):
+        p = pace.prefill_budget(0, True, rows=32)
+        pace.observe(0, p, step_time(p))
+    assert 90 <= pace.budget <= 130  # about 3 x 40 ms / 1 ms
+    before = pace.budget
+    pace.observe(0, int(before), 10.0)  # a slow step, nobody decoding: no evidence to shrink
+    assert pace.budget == before
+    # a lone prompt on an idle engine is judged by one decode's step: over it, no change
+    alone = StepPace(factor=3.0, max_tokens=2048, initial=256)
+    alone.observe(1, 0, 0.010)
+    alone.prefill_budget(0, True, rows=1)
+    alone.observe(0, 256, 0.256)
+    assert alone.budget == 256
+    # several clients (rows 0): nothing to judge by, the budget holds
+    shared = StepPace(factor=3.0, max_tokens=2048, initial=40)
+    shared.observe(32, 0, 0.040)
+    shared.prefill_budget(0, True, rows=0)
+    shared.observe(0, 40, 0.040)
+    assert shared.budget == 40
+
+
 def test_step_pace_ignores_steps_the_budget_did_not_bind_and_can_be_off():
     pace = StepPace(factor=3.0, max_tokens=512, initial=256)
     pace.observe(2, 0, 0.010)
