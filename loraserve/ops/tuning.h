@@ -62,15 +62,12 @@
 
 /* ---- Quantized panel GEMM (ops/qpanel_gemm.c) -------------------------------------------- */
 
-/* rows of x per panel pass: per row, one int32 and one float32 accumulator of 16 lanes each
- * (two ymm apiece on AVX2), with the panel's weights and the broadcast bytes: within
- * AVX-512's 32 registers at 4 rows (memory_floor.py) */
+/* rows of x per panel pass: per row, one int32 and one float32 accumulator of 16 lanes each,
+ * with the panel's weights and the broadcast bytes, within AVX-512's 32 registers. On AVX2
+ * (two ymm per accumulator) some spill, yet 4 rows still beat 2 and match 3 (memory_floor.py;
+ * -DQPANEL_TILE_ROWS=n for an A/B) */
 #ifndef QPANEL_TILE_ROWS
-#ifdef __AVX512F__
 #define QPANEL_TILE_ROWS 4
-#else
-#define QPANEL_TILE_ROWS 4
-#endif
 #endif
 /* M * K below which the activations are quantized on one thread; N * K below which the panels
  * are: under these a parallel region costs more than it splits */
