@@ -23,20 +23,6 @@ from model_factory import make_tiny_llama
 KINDS = ("unit", "kernels", "engine", "server", "cluster")
 
 
-# Modules whose tests take minutes on one worker (commands run as the README writes them, Ray
-# clusters, the engine under Triton's interpreter). pytest-xdist hands modules to its workers in
-# collection order, so these go first: one of them picked up last would run on alone while the
-# other worker sits idle, the whole suite waiting for it.
-LONGEST_FIRST = ("tests/server/test_readme.py", "tests/cluster/",
-                 "tests/engine/test_decode_graphs.py")
-
-
-def _start_rank(item: pytest.Item) -> int:
-    path = item.nodeid.split("::", 1)[0]
-    return next((i for i, p in enumerate(LONGEST_FIRST) if path.startswith(p)),
-                len(LONGEST_FIRST))
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         kind = Path(str(item.fspath)).parent.name
@@ -44,7 +30,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(kind)
         if _uses_hypothesis(item.module):
             item.add_marker("property")
-    items.sort(key=_start_rank)  # stable: the order within each module stays as written
 
 
 @pytest.hookimpl(optionalhook=True)
