@@ -13,23 +13,14 @@
  * Every lane's integer dot product and float operations (the same fma, in the same order)
  * are those of the AVX-512 kernel, so both builds give the same bits.
  *
- * Defines QPANEL_ISA (1), QP_Q8_STORED_OFFSET, qp_amax32(p) and qp_tile(...), as
- * ops/qpanel_avx512.h does. Included by ops/qpanel_gemm.c alone.
+ * Defines QPANEL_ISA (1), QP_Q8_STORED_OFFSET and qp_tile(...), as ops/qpanel_avx512.h
+ * does. Included by ops/qpanel_gemm.c alone.
  */
 #ifndef LORASERVE_QPANEL_AVX2_H
 #define LORASERVE_QPANEL_AVX2_H
 
 #define QPANEL_ISA 1
 #define QP_Q8_STORED_OFFSET 0 /* flipped back to signed before the product */
-
-SIMD_INLINE float qp_amax32(const float *x) {
-    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 m = _mm256_and_ps(_mm256_loadu_ps(x), abs);
-    for (int i = 8; i < 32; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + i), abs));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
-}
 
 SIMD_INLINE __m256i bcast4(const uint8_t *p) {
     int32_t quad;

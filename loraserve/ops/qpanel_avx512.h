@@ -5,7 +5,7 @@
  * already, while x goes in signed; the offsets are taken apart with x's block sums.
  *
  * Defines QPANEL_ISA (2), QP_Q8_STORED_OFFSET (what the product sees 8-bit quants offset
- * by), qp_amax32(p) and qp_tile(KIND, MR, a, K, w, d, m, out), as ops/qpanel_avx2.h does.
+ * by) and qp_tile(KIND, MR, a, K, w, d, m, out), as ops/qpanel_avx2.h does.
  * Included by ops/qpanel_gemm.c alone, after its kinds and PANEL, ROWS.
  */
 #ifndef LORASERVE_QPANEL_AVX512_H
@@ -13,11 +13,6 @@
 
 #define QPANEL_ISA 2
 #define QP_Q8_STORED_OFFSET 128
-
-SIMD_INLINE float qp_amax32(const float *x) {
-    const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
-    return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-}
 
 SIMD_INLINE __m512i bcast4(const uint8_t *p) {
     int32_t quad;

@@ -33,6 +33,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "qblock.h" /* q_amax32, as the dot-order kernel scales its activations */
 #include "simd.h"
 #include "tuning.h"
 
@@ -78,7 +79,7 @@ static void quantize_row(const float *x, int64_t K, uint8_t *out) {
     float *d = (float *)(out + K);
     int32_t *sums = (int32_t *)(out + K + 4 * (K / 32));
     for (int64_t b = 0; b < K / 32; b++) {
-        const float scale = qp_amax32(x + 32 * b) / 127.f, inv = scale > 0.f ? 1.f / scale : 0.f;
+        const float scale = q_amax32(x + 32 * b) / 127.f, inv = scale > 0.f ? 1.f / scale : 0.f;
         int32_t sum = 0;
         for (int e = 0; e < 32; e++) {
             const int32_t q = (int32_t)round_even(x[32 * b + e] * inv);
