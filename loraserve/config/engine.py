@@ -93,7 +93,7 @@ class EngineConfig:
     disable_cuda_graph: bool = knob(
         False, "on a GPU, run decode steps eagerly instead of replaying recorded CUDA graphs")
     cuda_graph_max_bs: int = knob(
-        32, "on a GPU, the largest decode batch replayed from a CUDA graph (larger: eager)")
+        128, "on a GPU, the largest decode batch replayed from a CUDA graph (larger: eager)")
     max_model_len: int | None = knob(
         None, "context length (default: the model's max_position_embeddings)")
     starvation_steps: int = knob(

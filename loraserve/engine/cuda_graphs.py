@@ -64,6 +64,7 @@ class CudaGraph:
     def __init__(self, pool) -> None:
         self.graph = torch.cuda.CUDAGraph()
         self.pool = pool
+        self.replays = 0
 
     @staticmethod
     def maker() -> Callable[[], CudaGraph]:
@@ -88,6 +89,7 @@ class CudaGraph:
 
     def replay(self) -> None:
         self.graph.replay()
+        self.replays += 1
 
 
 class _OpTrace(TorchDispatchMode):

@@ -8,10 +8,12 @@ CPU test suite checks them against the reference.
 Work is listed per token block on the host (the plan), so a launch has exactly as many
 programs as there are blocks of adapter tokens: base-model rows cost nothing, and a segment
 costs its own packed rank, never max_lora_rank.
-- shrink: program (block i, rank tile j) computes t[rows, 64j:64j+64] = x[rows] @ A_s.T for
-  the 64-column tile j of slot s's A.T ([d_in, w] row-major at c0 * d_in into the slot);
-  tiles past the segment's padded rank exit at once.
-- expand: program (block-part i, column strip j) adds t[rows, o0:o0+r] @ B.T[:, 64j:64j+64]
+- shrink: program (block i, rank tile j, part k of d_in) computes the partial sum
+  t[k, rows, 64j:64j+64] = x[rows, K_k] @ A_s.T[K_k] for the 64-column tile j of slot s's A.T
+  ([d_in, w] row-major at c0 * d_in into the slot); tiles past the segment's padded rank exit
+  at once. bf16 / fp16 operands multiply as they are, float32 ones in IEEE precision.
+- expand: program (block-part i, column strip j) sums t's parts in order and adds
+  t[rows, o0:o0+r] @ B.T[:, 64j:64j+64]
   into y[rows, c0+64j:...], B.T's strip j stored [r, w] row-major at boff + 64j * r. Parts of
   one segment write disjoint columns and segments disjoint rows: no two programs add to the
   same element.
@@ -25,15 +27,19 @@ import triton.language as tl
 
 BLOCK_M = 16  # tokens per program
 TILE = 64  # layout.RANK_TILE and layout.B_STRIP: the packed layout's tile widths
+BLOCK_K = 128  # d_in per iteration of the shrink
+K_CHUNK = 1024  # d_in per shrink program (k_splits)
 
 
 @triton.jit
-def sgmv_shrink_kernel(x_ptr, x_stride, t_ptr, t_stride, a_ptr, a_slot_stride, d_in,
+def sgmv_shrink_kernel(x_ptr, x_stride, t_ptr, t_stride, t_split_stride, a_ptr, a_slot_stride,
+                       d_in, k_chunk,
                        blocks_ptr,  # int64 [n, 4]: slot, row0, row1, padded rank
                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr,
-                       PRECISION: tl.constexpr):
+                       NATIVE: tl.constexpr, PRECISION: tl.constexpr):
     i = tl.program_id(0)
     j = tl.program_id(1)
+    split = tl.program_id(2)
     slot = tl.load(blocks_ptr + i * 4)
     row0 = tl.load(blocks_ptr + i * 4 + 1)
     row1 = tl.load(blocks_ptr + i * 4 + 2)
@@ -46,21 +52,26 @@ def sgmv_shrink_kernel(x_ptr, x_stride, t_ptr, t_stride, a_ptr, a_slot_stride, d
         row_ok = rows < row1
         col_ok = cols < w
         tile = a_ptr + slot * a_slot_stride + c0 * d_in  # [d_in, w] row-major
+        k_end = tl.minimum(split * k_chunk + k_chunk, d_in)
         acc = tl.zeros((BLOCK_M, TILE), dtype=tl.float32)
-        for k0 in range(0, d_in, BLOCK_K):
+        for k0 in range(split * k_chunk, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < d_in
+            k_ok = ks < k_end
             xb = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :],
                          mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             ab = tl.load(tile + ks[:, None] * w + cols[None, :],
                          mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc += tl.dot(xb.to(tl.float32), ab.to(tl.float32), input_precision=PRECISION)
-        tl.store(t_ptr + rows[:, None] * t_stride + (c0 + cols)[None, :], acc,
-                 mask=row_ok[:, None] & col_ok[None, :])
+            if NATIVE:  # bf16 / fp16 products are exact in the float32 accumulator
+                acc += tl.dot(xb, ab)
+            else:
+                acc += tl.dot(xb.to(tl.float32), ab.to(tl.float32), input_precision=PRECISION)
+        tl.store(t_ptr + split * t_split_stride + rows[:, None] * t_stride + (c0 + cols)[None, :],
+                 acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def sgmv_expand_kernel(t_ptr, t_stride, y_ptr, y_stride, b_ptr, b_slot_stride,
+def sgmv_expand_kernel(t_ptr, t_stride, t_split_stride, n_splits, y_ptr, y_stride, b_ptr,
+                       b_slot_stride,
                        parts_ptr,  # int64 [n, 8]: slot, row0, row1, o0, r, c0, n_cols, boff
                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, TILE: tl.constexpr,
                        PRECISION: tl.constexpr):
@@ -86,8 +97,11 @@ def sgmv_expand_kernel(t_ptr, t_stride, y_ptr, y_stride, b_ptr, b_slot_stride,
         for k0 in range(0, r, BLOCK_R):
             ks = k0 + tl.arange(0, BLOCK_R)
             k_ok = ks < r
-            tb = tl.load(t_ptr + rows[:, None] * t_stride + (o0 + ks)[None, :],
-                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            t_at = t_ptr + rows[:, None] * t_stride + (o0 + ks)[None, :]
+            t_ok = row_ok[:, None] & k_ok[None, :]
+            tb = tl.load(t_at, mask=t_ok, other=0.0)
+            for split in range(1, n_splits):  # the shrink's partial sums, in a fixed order
+                tb += tl.load(t_at + split * t_split_stride, mask=t_ok, other=0.0)
             bb = tl.load(strip + ks[:, None] * w + cols[None, :],
                          mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             acc += tl.dot(tb, bb.to(tl.float32), input_precision=PRECISION)
@@ -105,15 +119,26 @@ def precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def k_splits(d_in: int) -> int:
+    """Parts the shrink's reduction over d_in is cut into, each its own program. A decode step
+    has a few tokens per adapter, so without the cut a handful of programs would each walk all
+    of d_in alone. It depends on d_in only, never on the batch: a token's t is summed in the
+    same order in every step, eager or replayed."""
+    return triton.cdiv(d_in, K_CHUNK)
+
+
 def launch_shrink(x, t, group_A, blocks, num_blocks: int, max_rp: int, d_in: int) -> None:
-    grid = (num_blocks, triton.cdiv(max_rp, TILE))
-    sgmv_shrink_kernel[grid](x, x.stride(0), t, t.stride(0), group_A, group_A.stride(0), d_in,
-                             blocks, BLOCK_M=BLOCK_M, BLOCK_K=32, TILE=TILE,
+    """t: [k_splits(d_in), T, >= max_rp] float32, the partial sums of each part of d_in."""
+    native = x.dtype == group_A.dtype and x.dtype in (torch.bfloat16, torch.float16)
+    grid = (num_blocks, triton.cdiv(max_rp, TILE), t.shape[0])
+    sgmv_shrink_kernel[grid](x, x.stride(0), t, t.stride(1), t.stride(0), group_A,
+                             group_A.stride(0), d_in, K_CHUNK, blocks, BLOCK_M=BLOCK_M,
+                             BLOCK_K=BLOCK_K, TILE=TILE, NATIVE=native,
                              PRECISION=precision(x.dtype))
 
 
 def launch_expand(t, y, group_B, parts, num_parts: int, max_cols: int) -> None:
     grid = (num_parts, triton.cdiv(max_cols, TILE))
-    sgmv_expand_kernel[grid](t, t.stride(0), y, y.stride(0), group_B, group_B.stride(0),
-                             parts, BLOCK_M=BLOCK_M, BLOCK_R=16, TILE=TILE,
+    sgmv_expand_kernel[grid](t, t.stride(1), t.stride(0), t.shape[0], y, y.stride(0), group_B,
+                             group_B.stride(0), parts, BLOCK_M=BLOCK_M, BLOCK_R=16, TILE=TILE,
                              PRECISION=precision(y.dtype))

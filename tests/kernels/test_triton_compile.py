@@ -60,9 +60,10 @@ attention, _ = _kernels()
 for dtype in ("fp32", "bf16", "fp16"):
     ttir(attention, typer({"q_ptr", "k_ptr", "v_ptr", "o_ptr"}, dtype),
          {"BLOCK_M": 16, "BLOCK_N": 32, "HD": 64})
-    for precision in ("ieee", "tf32"):
+    for precision, native in (("ieee", False), ("tf32", False), ("tf32", dtype != "fp32")):
         ttir(triton_sgmv.sgmv_shrink_kernel, typer({"x_ptr", "a_ptr"}, dtype),
-             {"BLOCK_M": 16, "BLOCK_K": 32, "TILE": 64, "PRECISION": precision})
+             {"BLOCK_M": 16, "BLOCK_K": 128, "TILE": 64, "NATIVE": native,
+              "PRECISION": precision})
         ttir(triton_sgmv.sgmv_expand_kernel, typer({"y_ptr", "b_ptr"}, dtype),
              {"BLOCK_M": 16, "BLOCK_R": 16, "TILE": 64, "PRECISION": precision})
 print("compiled")

@@ -106,8 +106,10 @@ class TritonLoraBackend(LoraBackend):
         blocks, parts, max_rp, max_cols = plan
         if blocks.shape[0] == 0:
             return  # every segment of the group is empty
-        # t: [T, widest padded rank] float32; only the segments' rows are written and read
-        t = torch.empty(x.shape[0], max_rp, dtype=torch.float32, device=x.device)
+        # t: the partial sums over d_in's parts, [splits, T, widest padded rank] float32; only
+        # the segments' rows are written and read
+        t = torch.empty(self.kernels.k_splits(x.shape[1]), x.shape[0], max_rp,
+                        dtype=torch.float32, device=x.device)
         self.kernels.launch_shrink(x, t, group_A, blocks, blocks.shape[0], max_rp,
                                    x.shape[1])
         self.kernels.launch_expand(t, y, group_B, parts, parts.shape[0], max_cols)

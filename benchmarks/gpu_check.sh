@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Every GPU check in one run that fits a lent GPU machine's time (about ten minutes): the gpu
+# test tier (tests/gpu), then the benchmarks. Each phase has its own time limit, so a phase
+# that hangs costs only its share, and writes its log into OUT.
+#
+#   benchmarks/gpu_check.sh OUT [PHASE...]   PHASE: tests profile serving churn (default: all)
+#
+# The machine has torch, triton, transformers and peft, and no network. Packages it lacks, in
+# the versions pyproject.toml pins, travel as wheels in .whl/ (installed into /tmp/site), and
+# the bundled model's tokenizer files in .gpu/tokenizer/ (the benchmarks' random models use
+# them; the tests build their own).
+set -u
+out=${1:?usage: benchmarks/gpu_check.sh OUT [PHASE...]}
+shift
+phases=${*:-tests profile serving churn}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH="$PWD"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH="$PWD:/tmp/site"
+fi
+tok=()
+[ -d .gpu/tokenizer ] && tok=(--tokenizer .gpu/tokenizer)
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+    python3 -c 'import torch, triton, transformers, peft; print("torch", torch.__version__,
+"cuda", torch.version.cuda, "triton", triton.__version__, "transformers",
+transformers.__version__, "peft", peft.__version__)'
+    git rev-parse --short HEAD 2>/dev/null
+} >"$out/device.txt" 2>&1
+cat "$out/device.txt"
+
+phase() {  # name seconds command...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit}s)"
+    local t0=$SECONDS
+    timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
+    echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0))s" | tee -a "$out/$name.log"
+}
+
+for p in $phases; do
+    case $p in
+    tests) phase tests 120 python3 -m pytest tests/gpu -m gpu -q -n 8 -p no:cacheprovider \
+        --timeout 200 -W ignore::FutureWarning ;;
+    profile) phase profile 100 python3 benchmarks/gpu_profile.py --trace "${tok[@]}" \
+        --json "$out/gpu_profile.json" ;;
+    serving) phase serving 220 python3 benchmarks/gpu_serving.py --models llama-1b \
+        --reps 3 --peft-sequential-reps 1 "${tok[@]}" --json "$out/gpu_serving.json" ;;
+    churn) phase churn 200 python3 benchmarks/gpu_churn.py --reps 2 "${tok[@]}" \
+        --json "$out/gpu_churn.json" ;;
+    *) echo "unknown phase $p" ;;
+    esac
+done
