@@ -109,7 +109,8 @@ def main() -> None:
     def engine(**knobs) -> LLM:  # graphs up to 32 sequences: each engine records its own
         return LLM(model_dir, lora_paths={p.name: str(p) for p in paths}, device=device,
                    dtype=dtype, lora_memory="tiered", max_loaded_loras=16, max_lora_rank=32,
-                   enable_prefix_caching=False, cuda_graph_max_bs=32, **knobs)
+                   enable_prefix_caching=False, cuda_graph_max_bs=32, kv_cache_tokens=65536,
+                   **knobs)
 
     warm = engine(max_loras_per_batch=8)  # kernels compiled before the first measured run
     run(warm, reqs[:16], device)
