@@ -19,6 +19,7 @@ log = logging.getLogger("loraserve.config")
 LORA_DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16"}
 # lora/backends/ (kept here so config needs no torch)
 LORA_BACKEND_NAMES = ("cpu", "torch", "triton")
+CPU_DECODE_PACE = 3.0  # decode_pace_factor's default on a CPU (none on a GPU)
 LORA_BACKEND_ENV = "LORASERVE_LORA_BACKEND"  # the CPU's LoRA backend when none is named
 ATTENTION_BACKEND_NAMES = ("cpu", "triton")  # model/attention/
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -112,11 +113,13 @@ class EngineConfig:
     fair_decode_weight: float = knob(
         2.0, "fair scheduling: what a decode token counts in a client's service, a prefill "
              "token counting 1")
-    decode_pace_factor: float = knob(
-        3.0, "prefill tokens per step are capped so that a step takes at most this many times "
-             "a decode-only step (costs measured as the engine runs): long prompts are chunked "
-             "so that decodes and short requests keep their pace; 0: no cap (a step may take "
-             "max_num_batched_tokens)")
+    decode_pace_factor: float | None = knob(
+        None, "prefill tokens per step are capped so that a step takes at most this many times "
+              "a decode-only step (costs measured as the engine runs): long prompts are "
+              "chunked so that decodes and short requests keep their pace; 0: no cap (a step "
+              "may take max_num_batched_tokens). Default: 3 on a CPU, 0 on a GPU, where a "
+              "step's fixed cost dwarfs a chunk's and decode steps replayed from graphs cost "
+              "a fraction of any eager step, so a cap only cuts prompts into slivers")
     pace_calibration: bool = knob(
         True, "before serving, time decode-only steps at batch sizes 1, 2, 4, ... up to "
               "max_num_seqs, so the decode pace factor judges the first burst by a measured "
@@ -180,7 +183,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
-        if self.decode_pace_factor != 0.0 and self.decode_pace_factor <= 1.0:
+        if self.decode_pace_factor not in (None, 0.0) and self.decode_pace_factor <= 1.0:
             raise ValueError("decode_pace_factor must be above 1 (or 0: no cap)")
         if self.tenant_pace_factor != 0.0 and self.tenant_pace_factor <= 1.0:
             raise ValueError("tenant_pace_factor must be above 1 (or 0: no bound)")
@@ -194,6 +197,12 @@ class EngineConfig:
             raise ValueError("request_fair_share must be in (0, 1]")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
+
+    @property
+    def decode_pace(self) -> float:
+        """The decode pace factor: as given or resolved for the device; a config not resolved
+        for one (a scheduler built alone) paces as on a CPU."""
+        return CPU_DECODE_PACE if self.decode_pace_factor is None else self.decode_pace_factor
 
     @property
     def activation_dtype(self) -> str:
@@ -247,7 +256,10 @@ class EngineConfig:
             else self.lora_memory,
             lora_backend=lora_backend, attention_backend=attention_backend,
             disable_cuda_graph=not graphs,
-            cuda_graph_max_bs=min(self.cuda_graph_max_bs, self.max_num_seqs))
+            cuda_graph_max_bs=min(self.cuda_graph_max_bs, self.max_num_seqs),
+            decode_pace_factor=((CPU_DECODE_PACE if cpu else 0.0)
+                                if self.decode_pace_factor is None
+                                else self.decode_pace_factor))
 
 
 def _device_name(device: str | torch.device | None) -> str:

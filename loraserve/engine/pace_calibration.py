@@ -47,7 +47,7 @@ def batch_sizes(max_num_seqs: int, max_sequences: int) -> list[int]:
 def calibrate_decode_pace(engine) -> float:
     """Run the calibration batches through `engine` (an idle LLMEngine); seconds it took."""
     c = engine.config
-    if c.decode_pace_factor <= 0.0 or engine.has_work:
+    if c.decode_pace <= 0.0 or engine.has_work:
         return 0.0
     tokens_per_seq = 1 + DECODE_STEPS + 1
     blocks_per_seq = -(-tokens_per_seq // c.block_size)

@@ -53,7 +53,7 @@ class Scheduler(RequestQueues):
                          context_cost)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len or config.max_model_len or 10**9
-        self.pace = StepPace(config.decode_pace_factor, config.max_num_batched_tokens)
+        self.pace = StepPace(config.decode_pace, config.max_num_batched_tokens)
         # between clients (fair scheduling, several clients): the bound on average, the
         # decodes of clients within their share of seats its reference (row_share.py)
         self.tenant_pace = StepPace(config.tenant_pace_factor, config.max_num_batched_tokens,

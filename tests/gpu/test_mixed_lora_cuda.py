@@ -3,17 +3,23 @@ CUDA graphs (the default there) and run eagerly.
 
 The engine's own cases (tests/engine/test_multi_lora_reference.py: six adapters of different
 ranks, targets and scalings plus base rows in one batch; slot reassignment, chunked prefill,
-host evictions, preemption) are collected here again and run on the GPU (conftest.py).
+host evictions, preemption) run here again on the GPU (conftest.py).
 """
 
 from __future__ import annotations
 
-from test_multi_lora_reference import (  # noqa: F401  (collected here again, on the GPU)
-    MAX_TOKENS,
-    run_mixed,
-    test_tiny_mixed_batch_equals_peft,
-    tiny_setup,
-)
+import pytest
+import test_multi_lora_reference as cases
+from test_multi_lora_reference import CONFIGS, MAX_TOKENS, run_mixed, tiny_setup  # noqa: F401
+
+# every configuration but one memory of packed host entries read by the kernel in place: that
+# is the CPU's layout; a GPU's adapters are always tiered (host entries, device slots)
+GPU_CONFIGS = [name for name in CONFIGS if name != "unified-churn"]
+
+
+@pytest.mark.parametrize("name", GPU_CONFIGS)
+def test_mixed_batch_equals_peft_on_the_gpu(tiny_model_dir, tiny_setup, name):  # noqa: F811
+    cases.test_tiny_mixed_batch_equals_peft(tiny_model_dir, tiny_setup, name)
 
 
 def graph_replays(llm) -> dict[tuple[int, bool], int]:

@@ -59,7 +59,8 @@ def typer(floats, dtype):
 attention, _ = _kernels()
 for dtype in ("fp32", "bf16", "fp16"):
     ttir(attention, typer({"q_ptr", "k_ptr", "v_ptr", "o_ptr"}, dtype),
-         {"BLOCK_M": 16, "BLOCK_N": 32, "HD": 64})
+         {"BLOCK_M": 16, "BLOCK_N": 32, "HD": 64,
+          "PRECISION": "ieee" if dtype == "fp32" else "tf32"})
     for precision, native in (("ieee", False), ("tf32", False), ("tf32", dtype != "fp32")):
         ttir(triton_sgmv.sgmv_shrink_kernel, typer({"x_ptr", "a_ptr"}, dtype),
              {"BLOCK_M": 16, "BLOCK_K": 128, "TILE": 64, "NATIVE": native,

@@ -39,6 +39,7 @@ def test_cpu_choices():
     assert (c.device, c.dtype, c.lora_dtype, c.lora_memory) == ("cpu", "float32", "float32",
                                                                 "unified")
     assert (c.lora_backend, c.attention_backend, c.disable_cuda_graph) == ("cpu", "cpu", True)
+    assert c.decode_pace_factor == 3.0
 
 
 def test_gpu_choices(gpu):
@@ -49,6 +50,8 @@ def test_gpu_choices(gpu):
     assert (c.lora_backend, c.attention_backend, c.disable_cuda_graph) == ("triton", "triton",
                                                                            False)
     assert c.cuda_graph_max_bs == 16  # no graph for batches the scheduler never makes
+    assert c.decode_pace_factor == 0.0  # a GPU's chunks are not paced by default
+    assert EngineConfig(decode_pace_factor=2.0).resolve("cuda").decode_pace_factor == 2.0
     assert EngineConfig(device="cuda:1").resolve().device == "cuda:1"
 
 

@@ -23,6 +23,14 @@ BLOCK_M = 16  # new tokens per program
 BLOCK_N = 16  # context tokens per tile
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """The kernel's tl.dot precision: Triton's default for float32 operands is TF32, which
+    rounds q, k, p and v to 10 mantissa bits, so a float32 model's attention would not be
+    float32 (greedy tokens drift from the reference). bf16 / fp16 values are exact in TF32,
+    and TF32 rounds p more finely than the model's dtype would."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def _kernels():
     import triton
     import triton.language as tl
@@ -32,7 +40,8 @@ def _kernels():
             q_ptr, q_row, q_head, k_ptr, v_ptr, kv_slot, o_ptr, o_row, o_head,
             tiles_ptr,  # int64 [n, 4]: sequence, first row, rows, position of the first row
             tables_ptr, table_stride, scale, block_size, group, hd, window, softcap,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HD: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HD: tl.constexpr,
+            PRECISION: tl.constexpr):
         i = tl.program_id(0)
         h = tl.program_id(1)
         seq = tl.load(tiles_ptr + i * 4)
@@ -63,7 +72,7 @@ def _kernels():
             kv = slot[:, None] * kv_slot + kvh * hd + d[None, :]
             k = tl.load(k_ptr + kv, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             v = tl.load(v_ptr + kv, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            s = tl.dot(q, tl.trans(k.to(tl.float32))) * scale  # [BLOCK_M, BLOCK_N]
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale
             if softcap > 0:  # softcap * tanh(s / softcap), tanh through exp (no tl.tanh)
                 e = tl.exp(-2.0 * tl.abs(s / softcap))
                 t = (1.0 - e) / (1.0 + e)
@@ -78,7 +87,7 @@ def _kernels():
             p = tl.exp(s - safe[:, None])
             fix = tl.exp(best - safe)
             total = total * fix + tl.sum(p, axis=1)
-            acc = acc * fix[:, None] + tl.dot(p, v.to(tl.float32))
+            acc = acc * fix[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
             best = new_best
         out = acc / tl.where(total == 0.0, 1.0, total)[:, None]  # padding rows: 0, not 0/0
         tl.store(o_ptr + (row0 + m)[:, None] * o_row + h * o_head + d[None, :],
@@ -172,5 +181,5 @@ class TritonAttention(AttentionBackend):
                           meta.tables.stride(0), scale, self.block_size,
                           nh // k_cache.shape[1], hd, window, float(softcap),
                           BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                          HD=max(16, self.next_pow2(hd)))
+                          HD=max(16, self.next_pow2(hd)), PRECISION=dot_precision(q.dtype))
         return out
