@@ -33,9 +33,12 @@ def gpu_code_path():
 
 
 def graph_llm(model_dir, paths, max_bs=8, **knobs) -> LLM:
+    # No pace calibration: it runs decode steps at every batch size up to max_num_seqs before
+    # the graphs are enabled, all under the interpreter, and none of them is replayed or
+    # checked here (engine/test_pace_calibration.py tests it).
     llm = LLM(str(model_dir), lora_paths=paths, max_lora_rank=64, lora_backend="triton",
               attention_backend="triton", lora_memory="tiered", max_loras_per_batch=4,
-              **knobs)
+              pace_calibration=False, **knobs)
     llm.engine.runner.enable_decode_graphs(max_bs, llm.engine.max_model_len,
                                            new_graph=ReplayEmulator, capture_now=False)
     return llm
