@@ -84,9 +84,13 @@ class Background:
             time.sleep(0.3)
         raise TimeoutError(self.log.read_text(errors="replace"))
 
-    def stop(self) -> int:
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        """`sig` to the whole group (SIGINT: what Ctrl-C in a terminal sends), SIGKILL after
+        30 s. The cluster command's group holds Ray's own processes too: SIGTERM to all of them
+        at once ends them under the command, whose shutdown then waits on them, while on
+        Ctrl-C it shuts them down itself."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            os.killpg(self.proc.pid, sig)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
@@ -159,7 +163,8 @@ def test_readme_commands_work_against_make_serve(make_serve, bundled_model_dir, 
                 models = httpx.get(srv.url + "/v1/models", timeout=10).json()
                 assert "sql" in [m["id"] for m in models["data"]]
             finally:
-                srv.stop()
+                code = srv.stop(signal.SIGINT)
+            assert code == 0, srv.log.read_text(errors="replace")[-3000:]  # Ctrl-C: a clean exit
         elif name == "curl":
             body = json.loads(run(words, timeout=60))
             assert "error" not in body, body
