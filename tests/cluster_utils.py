@@ -1,9 +1,11 @@
-"""Test helper: one small local Ray instance running the loraserve cluster app, and direct
-calls to a single engine replica (to set up states the ingress would never create)."""
+"""Test helper: the loraserve cluster app on one small local Ray instance, and direct calls
+to a single engine replica (to set up states the ingress would never create)."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -12,43 +14,50 @@ from server_utils import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 APP = "loraserve-test"
+_apps = itertools.count(1)
+_serve_port: int | None = None  # Serve's HTTP proxy, while this process's Ray instance runs
 
 
 class LocalCluster:
-    """Ray (2 CPUs, no dashboard, a small object store) + Serve + the app on a free port."""
+    """The app, under a name of its own, behind Serve's proxy on a free port, on a local Ray
+    instance (2 CPUs, no dashboard, a small object store). Starting Ray and Serve is much of
+    what a cluster costs, so the first cluster of a process starts them and the next ones
+    share them (the Makefile's run puts every cluster test in one process: tests/conftest.py);
+    stop() deletes the app, stop_ray() ends Ray and Serve."""
 
     def __init__(self, spec):
+        global _serve_port
         import ray
+        from ray import serve
 
         from loraserve.cluster.launch import OBJECT_STORE_BYTES, deploy
 
         self.spec = spec
-        ray.init(num_cpus=max(2, spec.cluster.replicas), include_dashboard=False,
-                 object_store_memory=OBJECT_STORE_BYTES, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO),
-                                           "TOKENIZERS_PARALLELISM": "false"}})
+        self.app = f"{APP}-{next(_apps)}"
+        if not ray.is_initialized():
+            ray.init(num_cpus=max(2, spec.cluster.replicas), include_dashboard=False,
+                     object_store_memory=OBJECT_STORE_BYTES, log_to_driver=False,
+                     runtime_env={"env_vars": {"PYTHONPATH": str(REPO),
+                                               "TOKENIZERS_PARALLELISM": "false"}})
         # a port free a moment ago can be taken as the source port of one of Ray's own
         # connections before Serve's proxy binds it: then another port
         for attempt in range(3):
-            self.port = free_port()
+            self.port = _serve_port or free_port()
             self.url = f"http://127.0.0.1:{self.port}"
             try:
-                deploy(spec, "127.0.0.1", self.port, name=APP)
+                deploy(spec, "127.0.0.1", self.port, name=self.app)  # a running Serve is kept
                 break
             except Exception as e:
-                if "Failed to bind" not in str(e) or attempt == 2:
+                if "Failed to bind" not in str(e) or _serve_port or attempt == 2:
                     raise
-                from ray import serve
-
                 serve.shutdown()
+        _serve_port = self.port
         self.wait_replicas(spec.cluster.replicas)
 
     def stop(self) -> None:
-        import ray
         from ray import serve
 
-        serve.shutdown()
-        ray.shutdown()
+        serve.delete(self.app)
 
     # --- the replicas -----------------------------------------------------------------------
     def engine_handle(self):
@@ -56,7 +65,7 @@ class LocalCluster:
 
         from loraserve.cluster.spec import ENGINE_DEPLOYMENT
 
-        return serve.get_deployment_handle(ENGINE_DEPLOYMENT, APP)
+        return serve.get_deployment_handle(ENGINE_DEPLOYMENT, self.app)
 
     def replica_ids(self) -> list[str]:
         """Live engine replicas as this process's router sees them."""
@@ -64,14 +73,15 @@ class LocalCluster:
         from loraserve.cluster.spec import ENGINE_DEPLOYMENT
 
         self.engine_handle().info.remote().result(timeout_s=60)  # starts the router
-        return live_replicas.replica_ids(APP, ENGINE_DEPLOYMENT) or []
+        return live_replicas.replica_ids(self.app, ENGINE_DEPLOYMENT) or []
 
     def replica_actor(self, rid: str):
         import ray
 
         from loraserve.cluster.spec import ENGINE_DEPLOYMENT
 
-        return ray.get_actor(f"SERVE_REPLICA::{APP}#{ENGINE_DEPLOYMENT}#{rid}", namespace="serve")
+        return ray.get_actor(f"SERVE_REPLICA::{self.app}#{ENGINE_DEPLOYMENT}#{rid}",
+                             namespace="serve")
 
     def wait_replicas(self, n: int, exclude: tuple[str, ...] = (), timeout: float = 120) -> list:
         """Block until the ingress reports n replicas (none of `exclude`) and they answer."""
@@ -105,6 +115,20 @@ class LocalCluster:
 
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
                              timeout=60)
+
+
+def stop_ray() -> None:
+    """Serve and Ray, if this process runs them."""
+    global _serve_port
+    if "ray" not in sys.modules:
+        return
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
+    _serve_port = None
 
 
 def replicas_of(models: dict, model_id: str) -> dict[str, str]:
