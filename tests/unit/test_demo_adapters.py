@@ -39,7 +39,6 @@ def test_adapters_change_greedy_answers(bundled_model_dir):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(2)
     tok = AutoTokenizer.from_pretrained(bundled_model_dir)
     base = AutoModelForCausalLM.from_pretrained(bundled_model_dir, dtype=torch.float32).eval()
     prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}],
