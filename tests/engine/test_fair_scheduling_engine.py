@@ -74,7 +74,9 @@ async def _until(cond, timeout: float = 30.0):
 
 
 def test_unread_stream_pauses_its_request_and_reading_resumes_it(tiny_model_dir):
-    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    # long enough that the event loop sends the pause before the request ends, even when a
+    # loaded host runs the engine thread many steps ahead of it (the tiny model's context: 512)
+    sp = SamplingParams(max_tokens=480, temperature=0.0, ignore_eos=True)
     want = LLM(str(tiny_model_dir)).generate([prompt(12)], sp)[0].token_ids
     ae = _aengine(tiny_model_dir, max_unread_outputs=3)
 
@@ -92,7 +94,7 @@ def test_unread_stream_pauses_its_request_and_reading_resumes_it(tiny_model_dir)
         outs = []
         async for out in stream:  # reading resumes it, as often as it fills up
             outs.append(out)
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.002)
         out = outs[-1]
         assert out.token_ids == want and out.finish_reason is FinishReason.LENGTH
         assert (await ae.check_invariants()).ok
@@ -104,7 +106,7 @@ def test_unread_stream_pauses_its_request_and_reading_resumes_it(tiny_model_dir)
 
 
 def test_stream_never_read_is_ended_after_the_time_limit(tiny_model_dir):
-    sp = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=480, temperature=0.0, ignore_eos=True)  # as above
     ae = _aengine(tiny_model_dir, max_unread_outputs=2, stalled_stream_timeout=0.3)
 
     async def main():

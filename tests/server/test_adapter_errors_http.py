@@ -12,15 +12,25 @@ import shutil
 import httpx
 import pytest
 from adapter_factory import make_peft_adapter, truncate_weights
+from model_factory import make_tiny_llama
 from server_utils import ServerProcess, assert_error
+
+LONG_CONTEXT = 4096  # a request that runs for seconds, then is cut short by its client
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model_dir, tmp_path_factory):
+def model_dir(tmp_path_factory):
+    """The tiny Llama with a context long enough that a request can outlast a load."""
+    return make_tiny_llama(tmp_path_factory.mktemp("long_llama"),
+                           max_position_embeddings=LONG_CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def setup(model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapter_errors")
-    good = make_peft_adapter(tiny_model_dir, root / "good", r=4, seed=3)
+    good = make_peft_adapter(model_dir, root / "good", r=4, seed=3)
     fragile = shutil.copytree(good, root / "fragile")
-    s = ServerProcess(tiny_model_dir, "--max-loaded-loras", "1", "--allow-runtime-lora-updates",
+    s = ServerProcess(model_dir, "--max-loaded-loras", "1", "--allow-runtime-lora-updates",
                       "--lora-paths", f"fragile={fragile}", log_dir=root)
     try:
         yield s.wait_ready(), root, good, fragile
@@ -64,26 +74,25 @@ def test_lookalike_and_base_model_names_are_refused(setup):
     assert len(ids) == len(set(ids))
 
 
-def test_load_while_host_memory_is_busy_registers_on_disk(setup, tiny_model_dir):
+def test_load_while_host_memory_is_busy_registers_on_disk(setup, model_dir):
     # Not a 503 (retry): under steady traffic an unload + reload would then lose the name for
     # good (benchmarks/soak.py). The validated adapter is registered on disk and read when used;
     # a load that must pin (be resident) is still a 503 with Retry-After
     # (tests/engine/test_faults.py).
-    import threading
-
     server, root, good, _ = setup
-    other = make_peft_adapter(tiny_model_dir, root / "other", r=4, seed=9)
-    long = {"model": "good", "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True}
-    done = threading.Event()
-    t = threading.Thread(target=lambda: (server.post("/v1/completions", long), done.set()))
-    t.start()
-    try:
-        server.wait_busy()  # 'good' is in use and host memory holds one adapter
+    other = make_peft_adapter(model_dir, root / "other", r=4, seed=9)
+    long = {"model": "good", "prompt": [5, 6, 7], "max_tokens": LONG_CONTEXT - 96,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=long, timeout=60) as resp:
+        assert resp.status_code == 200
+        events = resp.iter_lines()
+        assert next(e for e in events if e.startswith("data: "))  # 'good' is in use now
         r = server.post("/v1/load_lora_adapter", {"lora_name": "other", "lora_path": str(other)})
-        assert not done.is_set(), "the long request ended before the load was tried"
         assert r.status_code == 200, r.text
         assert {c["id"]: c["tier"] for c in r.json()["data"]}["other"] == "disk"
-    finally:
-        t.join(120)
+        # still running (or paused, its client not reading): it held 'good' all along
+        state = server.state()
+        assert state["running"] + state["paused"] >= 1
+    server.wait_idle()  # the closed stream ended the request
     r = server.post("/v1/completions", {"model": "other", "prompt": [5, 6], "max_tokens": 2})
     assert r.status_code == 200, r.text

@@ -90,16 +90,14 @@ def test_version_and_module_entry_point():
 
 def test_serve_fails_fast_with_one_line(tiny_model_dir, tmp_path):
     import socket
-    import time
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = str(busy.getsockname()[1])
-        t0 = time.monotonic()
         r = run_cli("serve", "--model", str(tiny_model_dir), "--port", port)
-        assert time.monotonic() - t0 < 10  # the model was never loaded
     assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr
+    # the one line is all it says: the model was never loaded (loading logs "loading ...")
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
     for item, fragment in [(f"x={tmp_path / 'missing'}", "does not exist"),
                            ("good\n=/tmp", "invalid adapter name"), ("noequals", "NAME=PATH")]:
