@@ -117,6 +117,11 @@ class Scheduler(RequestQueues):
         if self.last_shared:
             self.tenant_pace.observe(batch.num_protected,
                                      batch.num_tokens - batch.num_protected, seconds)
+        elif self.tenant_pace is not None and batch.num_tokens == batch.num_decodes:
+            # a decode-only step costs the same whoever's decodes they are: it is the tenant
+            # pace's reference too, so the start-up calibration (one client) seeds it and the
+            # first steps between clients are not left decode-only to measure it
+            self.tenant_pace.observe(batch.num_decodes, 0, seconds)
 
     def _reserve(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
         """KV for `n` more tokens of a running request, preempting (recompute) until they fit;

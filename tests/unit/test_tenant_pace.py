@@ -7,7 +7,7 @@ left to the protected decodes, and with one client nothing changes."""
 from __future__ import annotations
 
 import pytest
-from test_fair_scheduling import creq
+from test_fair_scheduling import creq, ids
 from test_scheduler import make, run, step
 
 from loraserve.config import EngineConfig
@@ -130,3 +130,22 @@ def test_one_client_is_paced_as_before():
     assert off.tenant_pace is None
     with pytest.raises(ValueError, match="tenant_pace_factor"):
         EngineConfig(tenant_pace_factor=1.0)
+
+
+def test_one_clients_decode_only_steps_seed_the_tenant_pace_reference():
+    # the engine's start-up calibration runs as one client: its decode-only steps are the
+    # reference steps between clients need, so those are not left decode-only to measure it
+    s = make(kv_tokens=8192, max_num_seqs=8)
+    for i in range(2):
+        s.add(creq(f"a{i}", 4, "a", max_tokens=8))
+    batch = step(s)  # the prompts: not a reference of either pace
+    s.observe(batch, 0.050)
+    assert s.tenant_pace.reference(2) is None and not s.last_shared
+    batch = step(s)
+    assert batch.num_tokens == batch.num_decodes == 2
+    s.observe(batch, 0.010)
+    assert s.tenant_pace.reference(2) == pytest.approx(0.010)
+    assert s.pace.reference(2) == pytest.approx(0.010)
+    s.add(creq("b", 4, "b", max_tokens=8))  # a second client: its prompt goes in at once
+    batch = step(s)
+    assert s.last_shared and "b" in ids(batch)
