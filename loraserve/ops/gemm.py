@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from loraserve.ops.cbuild import load_library_once
-from loraserve.ops.hugepages import empty_huge
+from loraserve.ops.weight_arena import PACKED_WEIGHTS
 
 # oneDNN packs for a batch-size hint; 64 runs few-row and many-row products as fast as the hints
 # made for them (benchmarks/kernels/gemm_shapes.py).
@@ -89,7 +89,8 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     16]`, zeros past d_out."""
     w = weight.detach().contiguous()
     n, k = w.shape
-    out = empty_huge(-(-n // PANEL), k, PANEL)  # 2 MB pages: a decode step reads them all
+    # on 2 MB pages, after the weight packed before it: a decode step reads them all in turn
+    out = PACKED_WEIGHTS.empty(-(-n // PANEL), k, PANEL, dtype=torch.float32)
     _kernel().gemm_pack(w.data_ptr(), k, n, k, out.data_ptr())
     return out
 

@@ -25,6 +25,7 @@ from loraserve.ops.quant_formats import (
     QuantWeight,
     dequantize_blocks,
 )
+from loraserve.ops.weight_arena import PACKED_WEIGHTS
 
 _SOURCE = Path(__file__).with_name("qpanel_gemm.c")
 PANEL = 16
@@ -124,6 +125,9 @@ def pack_panels(qw: QuantWeight) -> QuantPanels:
     else:
         d = _block_panels(qw.d, p)
     m = _block_panels(qw.m, p) if qw.m is not None else None
+    # on 2 MB pages, after the weight packed before it (ops/weight_arena.py)
+    w, d = PACKED_WEIGHTS.copy(w), PACKED_WEIGHTS.copy(d)
+    m = None if m is None else PACKED_WEIGHTS.copy(m)
     return QuantPanels(qw.kind, w, d, m, n, k)
 
 
