@@ -54,7 +54,7 @@ def unpack_bf16(packed: torch.Tensor) -> torch.Tensor:
 def _float32_product(weight: torch.Tensor):
     """The model's float32 projection on `weight`, as model/linear.Linear would run it."""
     if gemm_backend() == "avx2":
-        panels = pack_panels(weight)
+        panels = pack_panels(weight, model_weight=False)  # the probe's: gone after it
         return lambda x: panel_linear(x, panels, weight.shape[0])
     if gemm_backend() == "onednn":
         from loraserve.ops.gemm import onednn_linear, pack_weight

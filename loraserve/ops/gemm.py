@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from loraserve.ops.cbuild import load_library_once
+from loraserve.ops.hugepages import empty_huge
 from loraserve.ops.weight_arena import PACKED_WEIGHTS
 
 # oneDNN packs for a batch-size hint; 64 runs few-row and many-row products as fast as the hints
@@ -84,13 +85,16 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+def pack_panels(weight: torch.Tensor, model_weight: bool = True) -> torch.Tensor:
     """A float32 `[d_out, d_in]` weight as the avx2 kernel's panels: `[ceil(d_out / 16), d_in,
-    16]`, zeros past d_out."""
+    16]`, zeros past d_out. A model's weight goes into the weight arena, after the weight packed
+    before it (a decode step reads them all in turn); `model_weight=False` (a weight that goes
+    before the model does) gets an allocation of its own, so it holds no arena chunk."""
     w = weight.detach().contiguous()
     n, k = w.shape
-    # on 2 MB pages, after the weight packed before it: a decode step reads them all in turn
-    out = PACKED_WEIGHTS.empty(-(-n // PANEL), k, PANEL, dtype=torch.float32)
+    shape = (-(-n // PANEL), k, PANEL)
+    out = (PACKED_WEIGHTS.empty(*shape, dtype=torch.float32) if model_weight
+           else empty_huge(*shape))
     _kernel().gemm_pack(w.data_ptr(), k, n, k, out.data_ptr())
     return out
 

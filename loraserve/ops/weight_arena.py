@@ -8,8 +8,10 @@ a TLB walk. Packed one after another into shared 2 MB-page chunks, in the order 
 makes them (its forward order), the weights a step reads form a few long runs of huge pages.
 
 A tensor from `empty` is a view of its chunk: the chunk lives as long as any of its views,
-so a model's weights free their chunks when the model goes. Tensors of a chunk's size or more
-get an allocation of their own (still on huge pages).
+so a model's weights free their chunks when the model goes, and a tensor that dies sooner
+frees nothing. So only weights that live as long as their model go here (a start-up probe's
+weight takes an allocation of its own). Tensors of a chunk's size or more get an allocation
+of their own (still on huge pages).
 """
 
 from __future__ import annotations

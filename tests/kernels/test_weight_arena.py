@@ -71,3 +71,14 @@ def test_packed_weights_of_both_kinds_go_one_after_another(monkeypatch):
     assert quant.w.data_ptr() == first.data_ptr() + first.nbytes
     assert quant.d.data_ptr() == quant.w.data_ptr() + quant.w.nbytes
     assert after.data_ptr() == quant.d.data_ptr() + -(-quant.d.nbytes // ALIGN) * ALIGN
+
+
+def test_a_weight_that_is_not_a_models_takes_no_arena_space(monkeypatch):
+    from loraserve.ops import gemm
+
+    arena = WeightArena()
+    monkeypatch.setattr(gemm, "PACKED_WEIGHTS", arena)
+    w = torch.randn(40, 64)
+    probe = gemm.pack_panels(w, model_weight=False)
+    assert arena._chunk is None and arena._used == 0
+    assert torch.equal(gemm.unpack_panels(probe, 40), w)
