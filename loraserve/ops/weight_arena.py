@@ -22,11 +22,16 @@ import torch
 
 from loraserve.ops.hugepages import empty_huge
 
+# several layers' weights to a chunk (a layer of a small model is a few MB), and at most one
+# weight's worth left unused at a chunk's end
 CHUNK_BYTES = 32 << 20
 ALIGN = 64  # a cache line: every tensor starts on one, as the kernels' loads assume nothing less
 
 
 class WeightArena:
+    """Hands out contiguous tensors one after another from 2 MB-page chunks (a bump allocator:
+    nothing is reused; a chunk goes when its last view does)."""
+
     def __init__(self, chunk_bytes: int = CHUNK_BYTES):
         self.chunk_bytes = chunk_bytes
         self._chunk: torch.Tensor | None = None
