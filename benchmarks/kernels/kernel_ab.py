@@ -12,6 +12,7 @@ is the median over rounds of the per-round difference or ratio.
     $AB decode-op --a $OLD/loraserve/lora/gemm_lora_decode_cpu.c --engine --rounds 6
     $AB attention --a $OLD/loraserve/model/attention/paged_decode.c
     $AB elementwise                                            # ours against torch's ops
+    $AB qpanel --b-flags=-DQPANEL_FETCH_AHEAD_4BIT=0 [--model smollm2-135m]
 
 - `lora`: the separate LoRA op (lora/sgmv_cpu.c) of one decode step and one prefill step, every
   layer and group, 16 adapters of ranks 8-64 on all seven modules; `--a-tile/--b-tile` choose
@@ -24,6 +25,8 @@ is the median over rounds of the per-round difference or ratio.
   layer as a decode step reads them, at three batch shapes; effective GB/s of K and V read.
 - `elementwise`: the fused element-wise kernels (ops/fused_cpu.c) against torch's separate ops
   in the engine: the offline batch, and decode at batch 64 and 1; greedy tokens must agree.
+- `qpanel`: the quantized panel GEMM (ops/qpanel_gemm.c) over a model's projections at batch
+  1, int8 and int4, against the copy rate measured between rounds.
 
 Imitated AVX2: prefix with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 MKL_ENABLE_INSTRUCTIONS=AVX2 LORASERVE_CPU_ARCH=x86-64-v3.
@@ -80,11 +83,12 @@ def main(argv: list[str] | None = None) -> None:
     import ab_decode_op
     import ab_elementwise
     import ab_lora
+    import ab_qpanel
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="kernel", required=True)
     kernels = {"lora": ab_lora, "decode-op": ab_decode_op, "attention": ab_attention,
-               "elementwise": ab_elementwise}
+               "elementwise": ab_elementwise, "qpanel": ab_qpanel}
     for name, module in kernels.items():
         module.add_args(sub.add_parser(name, help=module.__doc__.splitlines()[0]))
     args = ap.parse_args(argv)

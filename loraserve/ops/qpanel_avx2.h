@@ -45,6 +45,7 @@ SIMD_INLINE void block_dots(int KIND, int MR, uint8_t *const *a, const uint8_t *
         for (int r = 0; r < MR; r++) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
         for (int t = 0; t < 4; t++) {
             const uint8_t *p = w + (4 * b + t) * 64;
+            if (QPANEL_FETCH_AHEAD_4BIT) PREFETCH(p + QPANEL_FETCH_AHEAD_4BIT, PF_L1);
             __m256i w0[2], w1[2];  /* [half]: the first step (low nibbles), the second (high) */
             for (int h = 0; h < 2; h++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * h));
@@ -68,6 +69,7 @@ SIMD_INLINE void block_dots(int KIND, int MR, uint8_t *const *a, const uint8_t *
     for (int r = 0; r < MR; r++) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
     for (int s = 0; s < 8; s++) {
         const uint8_t *p = w + (8 * b + s) * 64;
+        if (QPANEL_FETCH_AHEAD_8BIT) PREFETCH(p + QPANEL_FETCH_AHEAD_8BIT, PF_L1);
         __m256i q[2], mag[2];
         for (int h = 0; h < 2; h++) {
             q[h] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 32 * h)), flip);

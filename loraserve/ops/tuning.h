@@ -73,6 +73,21 @@
  * are: under these a parallel region costs more than it splits */
 #define QPANEL_QUANTIZE_PARALLEL_MIN 8192
 #define QPANEL_PARALLEL_MIN 65536
+/* Bytes ahead of each 64-byte step of a panel's quants that the step fetches (into L1), per
+ * quant width; 0: none. At batch 1 a product is a memory stream with little arithmetic per
+ * byte, and the hardware prefetchers alone left the 4-bit stream short of the copy rate on
+ * both ISAs, and the 8-bit one on AVX2; AVX-512's 8-bit stream reached it without, and was
+ * slower with (kernel_ab.py qpanel, --b-flags=-DQPANEL_FETCH_AHEAD_4BIT=0) */
+#ifndef QPANEL_FETCH_AHEAD_4BIT
+#define QPANEL_FETCH_AHEAD_4BIT 4096
+#endif
+#ifndef QPANEL_FETCH_AHEAD_8BIT
+#ifdef __AVX512F__
+#define QPANEL_FETCH_AHEAD_8BIT 0
+#else
+#define QPANEL_FETCH_AHEAD_8BIT 4096
+#endif
+#endif
 
 /* ---- The fused decode op's fetch streams (lora/fused_tile.h) ----------------------------- */
 

@@ -1,0 +1,86 @@
+"""the quantized panel GEMM (ops/qpanel_gemm.c) at batch 1: a model's weight stream
+
+Every projection of a model's layers (the bundled SmolLM2-135M's shapes, or SmolLM2-360M's),
+packed as the engine packs them (one after another in the weight arena), multiplied by one row
+of x back to back: what a batch-1 decode token streams. Effective GB/s = the weights' bytes
+(quants and scales) / time, against the host's copy rate measured between rounds; the
+product's floor is that copy rate. Both sides must give the same bits (a fetch hint or a
+tile change does not change the arithmetic): the largest difference is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import shutil
+import statistics
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+from kernel_ab import add_sides, alternate, median_ratio
+from memory_floor import copy_gbs
+
+from loraserve.ops import qpanel
+from loraserve.ops.cbuild import compile_once
+from loraserve.ops.quant_formats import quantize_int4, quantize_int8
+
+# (out, in) of qkv, o, gate_up, down; layers
+MODELS = {"smollm2-135m": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30),
+          "smollm2-360m": ([(1600, 960), (960, 960), (5120, 960), (960, 2560)], 32)}
+FORMATS = {"int8": quantize_int8, "int4": quantize_int4}
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    add_sides(ap, qpanel._SOURCE, rounds=12)
+    ap.add_argument("--model", default="smollm2-360m", choices=list(MODELS))
+
+
+def load(source: Path, flags: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(compile_once(shutil.which("gcc"), source, flags.split())))
+    return qpanel._configure(lib)
+
+
+def stream_time(libs, weights, xs, outs, work, side: str) -> float:
+    """Seconds for side's kernel over every weight, one row each."""
+    lib, y = libs[side], outs[side]
+    t = time.perf_counter()
+    for i, p in enumerate(weights):
+        k = p.in_features
+        lib.qpanel_gemm(qpanel.PANEL_KINDS[p.kind], xs[k].data_ptr(), k, 1, k, p.w.data_ptr(),
+                        p.d.data_ptr(), None if p.m is None else p.m.data_ptr(),
+                        p.out_features, y[i].data_ptr(), p.out_features, work.data_ptr(),
+                        torch.get_num_threads())
+    return time.perf_counter() - t
+
+
+def after_copy(measure, copies: list, side: str) -> float:
+    """The host's copy rate now (into `copies`), then side's time."""
+    copies.append(copy_gbs(reps=2))
+    return measure(side)
+
+
+def run(args: argparse.Namespace) -> None:
+    libs = {side: load(getattr(args, side), getattr(args, f"{side}_flags")) for side in "ab"}
+    shapes, layers = MODELS[args.model]
+    torch.manual_seed(0)
+    xs = {k: torch.randn(1, k) for _, k in shapes}
+    work = torch.empty(1 << 20, dtype=torch.uint8)
+    copies = []
+    for name, quantize in FORMATS.items():
+        weights = [qpanel.pack_panels(quantize(torch.randn(n, k) * 0.02))
+                   for _ in range(layers) for n, k in shapes]
+        outs = {side: [torch.empty(1, p.out_features) for p in weights] for side in libs}
+        measure = partial(stream_time, libs, weights, xs, outs, work)
+        times = alternate(partial(after_copy, measure, copies), ("a", "b"), args.rounds)
+        gb = sum(p.nbytes for p in weights) / 1e9
+        med = {side: statistics.median(ts) for side, ts in times.items()}
+        diff = max((ya - yb).abs().max().item() for ya, yb in zip(outs["a"], outs["b"],
+                                                                  strict=True))
+        print(f"{name} {gb * 1e3:.0f} MB: " + "  ".join(
+            f"{side} {m * 1e3:6.3f} ms ({gb / m:5.1f} GB/s)" for side, m in med.items())
+            + f"  b/a (median of rounds) {median_ratio(times['b'], times['a']):.3f}x"
+            f"  max diff {diff:.1e}", flush=True)
+    print(f"copy rate between rounds: median {statistics.median(copies):.1f} GB/s, "
+          f"best {max(copies):.1f}")
