@@ -11,19 +11,17 @@ tile change does not change the arithmetic): the largest difference is printed.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import shutil
 import statistics
+import sys
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
 from kernel_ab import add_sides, alternate, median_ratio
 from memory_floor import copy_gbs
 
 from loraserve.ops import qpanel
-from loraserve.ops.cbuild import compile_once
+from loraserve.ops.cbuild import load_library_once
 from loraserve.ops.quant_formats import quantize_int4, quantize_int8
 
 # (out, in) of qkv, o, gate_up, down; layers
@@ -35,11 +33,6 @@ FORMATS = {"int8": quantize_int8, "int4": quantize_int4}
 def add_args(ap: argparse.ArgumentParser) -> None:
     add_sides(ap, qpanel._SOURCE, rounds=12)
     ap.add_argument("--model", default="smollm2-360m", choices=list(MODELS))
-
-
-def load(source: Path, flags: str) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(compile_once(shutil.which("gcc"), source, flags.split())))
-    return qpanel._configure(lib)
 
 
 def stream_time(libs, weights, xs, outs, work, side: str) -> float:
@@ -62,7 +55,12 @@ def after_copy(measure, copies: list, side: str) -> float:
 
 
 def run(args: argparse.Namespace) -> None:
-    libs = {side: load(getattr(args, side), getattr(args, f"{side}_flags")) for side in "ab"}
+    libs = {side: load_library_once(getattr(args, side).resolve(),
+                                    getattr(args, f"{side}_flags").split(), side.upper(),
+                                    qpanel._configure)
+            for side in "ab"}
+    if None in libs.values():
+        sys.exit("a side did not build (or this CPU has neither AVX-512 VNNI nor AVX2)")
     shapes, layers = MODELS[args.model]
     torch.manual_seed(0)
     xs = {k: torch.randn(1, k) for _, k in shapes}
