@@ -11,6 +11,7 @@ tile change does not change the arithmetic): the largest difference is printed.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -18,21 +19,29 @@ from functools import partial
 
 import torch
 from kernel_ab import add_sides, alternate, median_ratio
-from memory_floor import copy_gbs
+from memory_floor import SHAPES, copy_gbs
 
+from loraserve.model.bundled import default_model_dir
 from loraserve.ops import qpanel
 from loraserve.ops.cbuild import load_library_once
 from loraserve.ops.quant_formats import quantize_int4, quantize_int8
 
-# (out, in) of qkv, o, gate_up, down; layers
-MODELS = {"smollm2-135m": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30),
-          "smollm2-360m": ([(1600, 960), (960, 960), (5120, 960), (960, 2560)], 32)}
+MODELS = ("smollm2-135m", *SHAPES)  # the bundled model's config, or memory_floor.py's shapes
 FORMATS = {"int8": quantize_int8, "int4": quantize_int4}
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
     add_sides(ap, qpanel._SOURCE, rounds=12)
-    ap.add_argument("--model", default="smollm2-360m", choices=list(MODELS))
+    ap.add_argument("--model", default="smollm2-360m", choices=MODELS)
+
+
+def projection_shapes(model: str) -> tuple[list[tuple[int, int]], int]:
+    """(out, in) of a layer's qkv, o, gate_up and down, and the number of layers."""
+    c = (json.loads((default_model_dir() / "config.json").read_text())
+         if model == "smollm2-135m" else SHAPES[model])
+    d, inter, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    return [(q + 2 * kv, d), (d, q), (2 * inter, d), (d, inter)], c["num_hidden_layers"]
 
 
 def stream_time(libs, weights, xs, outs, work, side: str) -> float:
@@ -61,7 +70,7 @@ def run(args: argparse.Namespace) -> None:
             for side in "ab"}
     if None in libs.values():
         sys.exit("a side did not build (or this CPU has neither AVX-512 VNNI nor AVX2)")
-    shapes, layers = MODELS[args.model]
+    shapes, layers = projection_shapes(args.model)
     torch.manual_seed(0)
     xs = {k: torch.randn(1, k) for _, k in shapes}
     work = torch.empty(1 << 20, dtype=torch.uint8)
