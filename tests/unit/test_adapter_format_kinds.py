@@ -1,7 +1,8 @@
 """PEFT adapter reading, the kinds beyond plain LoRA on the linears (DoRA, lora_bias, the
 embedding and lm_head: LoRA there, modules_to_save, trainable tokens): what each refuses, by
 name, and what a full copy costs. The round trips against real PEFT are in
-tests/engine/test_adapter_kinds.py; plain LoRA's reading in test_adapter_format.py."""
+tests/engine/test_adapter_kinds.py; plain LoRA's reading in test_adapter_format.py and
+test_adapter_format_refusals.py."""
 
 from __future__ import annotations
 
