@@ -186,7 +186,7 @@ def _serve_cluster(args, settings, config, cluster, adapters: dict[str, str],
         raise usage_error("serve", f"--replicas/--ray-address need Ray Serve: pip install "
                                    f"'loraserve[cluster]' ({e})") from e
     spec = ClusterSpec(model=args.model, engine=config, settings=settings, cluster=cluster,
-                       adapters=tuple(adapters.items()))
+                       adapters=tuple(adapters.items()), shutdown_timeout_s=args.shutdown_timeout)
     return serve_cluster(spec, args.host, args.port, on_ready)
 
 

@@ -33,13 +33,20 @@ from loraserve.server.settings import ServerSettings
 
 # requests one replica takes at once; beyond it Ray holds them at the ingress (fair routing)
 MAX_ONGOING_PER_REPLICA = 64
+# how often a stopping replica looks whether its requests in flight are done: Ray's default
+# (2 s) is waited out before even an idle replica stops, and stopping the app waits for it
+DRAIN_POLL_S = 0.25
+# the ingress stays this much longer than the engine replicas' drain, to relay their last bytes
+RELAY_GRACE_S = 5.0
 
 
 def build_from_spec(spec: ClusterSpec):
     """The bound application graph (serve.run takes it)."""
     cl = spec.cluster
+    drain = {"graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
+             "graceful_shutdown_timeout_s": spec.shutdown_timeout_s}
     registry = serve.deployment(AdapterRegistry, name=REGISTRY_DEPLOYMENT, num_replicas=1,
-                                ray_actor_options={"num_cpus": 0}).bind(spec.adapters)
+                                ray_actor_options={"num_cpus": 0}, **drain).bind(spec.adapters)
     engines = serve.deployment(
         EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=cl.replicas,
         max_ongoing_requests=MAX_ONGOING_PER_REPLICA,
@@ -47,10 +54,13 @@ def build_from_spec(spec: ClusterSpec):
         # the model loads in the constructor; a tiny one in seconds, a large one in minutes
         health_check_timeout_s=60,
         request_router_config=RequestRouterConfig(request_router_class=ROUTERS[cl.routing]),
+        **drain,
     ).bind(spec, registry)
     ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT, num_replicas=1,
                                max_ongoing_requests=10_000,
-                               ray_actor_options={"num_cpus": 0})
+                               ray_actor_options={"num_cpus": 0},
+                               **{**drain, "graceful_shutdown_timeout_s":
+                                  spec.shutdown_timeout_s + RELAY_GRACE_S})
     return ingress.bind(engines, registry, spec)
 
 
@@ -74,6 +84,7 @@ def spec_from_args(args: dict[str, typing.Any]) -> ClusterSpec:
             raise ValueError(f"lora-paths expects NAME=PATH words, got {item!r}")
         pairs.append((name, path))
     model = values.pop("model", None)
+    shutdown_timeout = values.pop("shutdown_timeout", None)
     served = values.pop("served_model_name", None)
     names = tuple(served.split() if isinstance(served, str) else served or ())
     configs = {cls: _take(cls, values) for cls in (EngineConfig, ClusterConfig, ServerSettings)}
@@ -81,9 +92,12 @@ def spec_from_args(args: dict[str, typing.Any]) -> ClusterSpec:
         raise ValueError(f"unknown cluster app args: {sorted(values)}")
     settings = configs[ServerSettings]
     settings["served_model_names"] = names + ((model,) if model else ())
-    return ClusterSpec(model=model, engine=EngineConfig(**configs[EngineConfig]),
+    spec = ClusterSpec(model=model, engine=EngineConfig(**configs[EngineConfig]),
                        settings=ServerSettings(**settings),
                        cluster=ClusterConfig(**configs[ClusterConfig]), adapters=tuple(pairs))
+    if shutdown_timeout is not None:
+        spec = dataclasses.replace(spec, shutdown_timeout_s=float(shutdown_timeout))
+    return spec
 
 
 def _take(cls, values: dict) -> dict:

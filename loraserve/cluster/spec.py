@@ -23,3 +23,5 @@ class ClusterSpec:
     adapters: tuple[tuple[str, str], ...] = ()
     # how long the ingress waits for one replica's answer to a control call (load, models)
     control_timeout_s: float = 120.0
+    # --shutdown-timeout: on a signal, how long requests in flight may take to finish
+    shutdown_timeout_s: float = 10.0

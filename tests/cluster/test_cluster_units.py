@@ -175,6 +175,7 @@ def test_serve_run_args_become_a_spec():
         "/m",)
     assert spec.adapters == (("a", "/x"), ("b", "/y"))
     assert spec_from_args({"lora_paths": {"a": "/x"}}).adapters == (("a", "/x"),)
+    assert spec_from_args({"shutdown-timeout": "2.5"}).shutdown_timeout_s == 2.5
     with pytest.raises(ValueError, match="unknown"):
         spec_from_args({"no-such-flag": "1"})
     with pytest.raises(ValueError, match="replicas"):
