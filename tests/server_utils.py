@@ -22,10 +22,13 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m loraserve.cli serve --model MODEL --port P ARGS...`, its log in a file."""
+    """`python -m loraserve.cli serve --model MODEL --port P ARGS...`, its log in a file;
+    with `new_session`, the leader of its own process group (as under a shell or a service
+    manager: what it starts joins the group)."""
 
     def __init__(self, model_dir: str | Path, *args: str, log_dir: str | Path,
-                 api_key: str | None = None, calibrate: bool = False):
+                 api_key: str | None = None, calibrate: bool = False,
+                 new_session: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -37,7 +40,7 @@ class ServerProcess:
         env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     cwd=REPO)
+                                     cwd=REPO, start_new_session=new_session)
 
     def __enter__(self) -> ServerProcess:
         """`with ServerProcess(...) as server:` waits until it answers, and stops it after."""

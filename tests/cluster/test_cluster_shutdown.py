@@ -12,15 +12,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from server_utils import REPO, free_port
+from server_utils import ServerProcess
 
 pytest.importorskip("ray.serve", reason="the cluster extra: pip install loraserve[cluster]")
 
@@ -35,72 +33,47 @@ def no_shared_ray():
     stop_ray()
 
 
-class ClusterCommand:
-    """`python -m loraserve.cli serve --replicas 2 ...` as the leader of its own process group
-    (Ray's processes join it, as under a shell or a service manager), its log in a file."""
+def wait_serving(c: ServerProcess) -> None:
+    """Until the command has logged that it serves (every replica up) and /health is 200."""
+    c.wait_ready(timeout=300)
+    deadline = time.monotonic() + 300
+    while "serving 2 replicas" not in c.log():
+        assert c.proc.poll() is None and time.monotonic() < deadline, c.log()
+        time.sleep(0.5)
 
-    def __init__(self, model_dir: Path, log_dir: Path, *args: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"cluster-{self.port}.log"
-        cmd = [sys.executable, "-m", "loraserve.cli", "serve", "--replicas", "2",
-               "--model", str(model_dir), "--port", str(self.port), "--num-threads", "1",
-               "--disable-pace-calibration", *args]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         cwd=REPO, start_new_session=True)
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_serving(self, timeout: float = 300) -> None:
-        """Until the command has logged that it serves (every replica up) and /health is 200."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log()
-            if "serving 2 replicas" in self.log():
-                try:
-                    if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-            time.sleep(0.5)
-        raise TimeoutError(f"not serving after {timeout}s:\n{self.log()}")
-
-    def alive_in_group(self) -> list[int]:
-        """Processes of the command's group that still run (zombies left to a non-reaping
-        init do not count)."""
-        alive = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == self.proc.pid and fields[0] != "Z":
-                alive.append(int(stat.parent.name))
-        return alive
-
-    def close(self) -> None:
+def alive_in_group(c: ServerProcess) -> list[int]:
+    """Processes of the command's group that still run (zombies left to a non-reaping init do
+    not count)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(30)
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == c.proc.pid and fields[0] != "Z":
+            alive.append(int(stat.parent.name))
+    return alive
 
 
 @pytest.fixture
 def command(tmp_path):
-    started = []
+    started: list[ServerProcess] = []
 
-    def start(model_dir: Path, *args: str) -> ClusterCommand:
-        started.append(ClusterCommand(model_dir, tmp_path, *args))
-        started[-1].wait_serving()
+    def start(model_dir: Path, *args: str) -> ServerProcess:
+        # `serve --replicas 2` leads its own process group: Ray's processes join it
+        started.append(ServerProcess(model_dir, "--replicas", "2", *args, log_dir=tmp_path,
+                                     new_session=True))
+        wait_serving(started[-1])
         return started[-1]
 
     yield start
     for c in started:
-        c.close()
+        try:
+            os.killpg(c.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        c.stop()
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
@@ -112,9 +85,9 @@ def test_group_sigterm_on_an_idle_app_exits_promptly(command, tiny_model_dir):
     took = time.monotonic() - t0
     assert took < IDLE_EXIT_BOUND_S, (took, c.log())
     deadline = time.monotonic() + IDLE_EXIT_BOUND_S
-    while c.alive_in_group() and time.monotonic() < deadline:
+    while alive_in_group(c) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not c.alive_in_group(), "Ray's processes outlived the command"
+    assert not alive_in_group(c), "Ray's processes outlived the command"
     assert "Traceback" not in c.log()
 
 
