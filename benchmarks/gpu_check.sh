@@ -3,7 +3,8 @@
 # test tier (tests/gpu), then the benchmarks. Each phase has its own time limit, so a phase
 # that hangs costs only its share, and writes its log into OUT.
 #
-#   benchmarks/gpu_check.sh OUT [PHASE...]   PHASE: tests profile serving churn (default: all)
+#   benchmarks/gpu_check.sh OUT [PHASE...]   PHASE: tests decode profile serving churn
+#                                            (default: all, in that order)
 #
 # The machine has torch, triton, transformers and peft, and no network. Packages it lacks, in
 # the versions pyproject.toml pins, travel as wheels in .whl/ (installed into /tmp/site), and
@@ -12,7 +13,7 @@
 set -u
 out=${1:?usage: benchmarks/gpu_check.sh OUT [PHASE...]}
 shift
-phases=${*:-tests profile serving churn}
+phases=${*:-tests decode profile serving churn}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH="$PWD"
 if [ -d .whl ]; then
@@ -41,13 +42,17 @@ phase() {  # name seconds command...
 
 for p in $phases; do
     case $p in
-    tests) phase tests 120 python3 -m pytest tests/gpu -m gpu -q -n 8 -p no:cacheprovider \
+    tests) phase tests 110 python3 -m pytest tests/gpu -m gpu -q -n 8 -p no:cacheprovider \
         --timeout 200 -W ignore::FutureWarning ;;
-    profile) phase profile 100 python3 benchmarks/gpu_profile.py --trace "${tok[@]}" \
-        --json "$out/gpu_profile.json" ;;
-    serving) phase serving 220 python3 benchmarks/gpu_serving.py --models llama-1b \
-        --reps 3 --peft-sequential-reps 1 "${tok[@]}" --json "$out/gpu_serving.json" ;;
-    churn) phase churn 200 python3 benchmarks/gpu_churn.py --reps 2 "${tok[@]}" \
+    decode) phase decode 80 python3 benchmarks/gpu_decode_step.py "${tok[@]}" \
+        --json "$out/gpu_decode_step.json" ;;
+    profile) phase profile 75 python3 benchmarks/gpu_profile.py --k-chunks 1024,512,256 \
+        --step-reps 1 "${tok[@]}" --json "$out/gpu_profile.json" ;;
+    serving) phase serving 170 python3 benchmarks/gpu_serving.py --models llama-1b \
+        --reps 3 --peft-reps 1 --peft-sequential-reps 0 "${tok[@]}" \
+        --json "$out/gpu_serving.json" ;;
+    churn) phase churn 140 python3 benchmarks/gpu_churn.py --configs B,A,B-blocking,C \
+        --reps 1 "${tok[@]}" \
         --json "$out/gpu_churn.json" ;;
     *) echo "unknown phase $p" ;;
     esac

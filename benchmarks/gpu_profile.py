@@ -8,7 +8,9 @@ seven modules):
   with CUDA events, median of 20), and the host's time to plan the step;
 - step level: the gpu_serving workload, mixed and base-only, every engine step timed with the
   device synchronised: prefill and decode steps apart;
-- the torch profiler's top kernels of one mixed run (`--trace`).
+- the torch profiler's top kernels of one mixed run (`--trace`);
+- `--k-chunks 1024,512,256`: the op level again for each part of d_in the Triton shrink's
+  programs reduce over (lora/triton_sgmv.K_CHUNK), to choose it.
 
     PYTHONPATH=. python benchmarks/gpu_profile.py [--out DIR]     # on the GPU machine
     .venv/bin/python benchmarks/gpu_profile.py --smoke              # the script itself, on CPU
@@ -119,6 +121,9 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--trace", action="store_true", help="the torch profiler's top kernels")
+    ap.add_argument("--k-chunks", default=None,
+                    help="comma-separated shrink parts of d_in to time the ops with")
+    ap.add_argument("--step-reps", type=int, default=2)
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny random Llama on the CPU: checks the script, no figures")
     args = ap.parse_args()
@@ -144,7 +149,22 @@ def main() -> None:
                  "torch": torch.__version__}
     res["ops"] = {n: op_level(llm, names, n) for n in (64, 2048)}
     print(json.dumps(res["ops"], indent=1), flush=True)
-    for rep in range(2):
+    kernels = getattr(llm.engine.runner.lora, "kernels", None)  # lora/triton_sgmv.py
+    if args.k_chunks and kernels is None:
+        print("--k-chunks: the LoRA backend here is not triton's", flush=True)
+    elif args.k_chunks:
+        default = kernels.K_CHUNK
+        res["ops_by_k_chunk"] = {}
+        for chunk in (int(c) for c in args.k_chunks.split(",")):
+            kernels.K_CHUNK = chunk
+            res["ops_by_k_chunk"][chunk] = {n: op_level(llm, names, n) for n in (64, 2048)}
+            print(f"K_CHUNK {chunk}:", json.dumps({n: {g: round(v["lora_ms"], 4) for g, v in
+                                                         o.items() if g != "plan_host_ms"}
+                                                   for n, o in
+                                                   res["ops_by_k_chunk"][chunk].items()}),
+                  flush=True)
+        kernels.K_CHUNK = default
+    for rep in range(args.step_reps):
         for mode, lo in (("multi", loras), ("base", None)):
             res[f"steps_{mode}_{rep}"] = step_level(llm, prompts, lo, args.output_len)
             print(mode, rep, json.dumps(res[f"steps_{mode}_{rep}"]), flush=True)

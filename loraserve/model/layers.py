@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from loraserve.ops.elementwise import fused_for, rms_norm, rope_
+from loraserve.ops.elementwise import fused_for, gpu_rope_for, rms_norm, rope_
 
 __all__ = ["RotaryEmbedding", "apply_rope", "rms_norm"]
 
@@ -31,12 +31,16 @@ class RotaryEmbedding:
 
     def rotator(self, positions: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         """Once per step: a function rotating each layer's [T, heads, hd] q/k by `positions`,
-        in place by the fused kernel (it reads the tables by position), else from tables
-        gathered here once for every layer."""
+        in place by a fused kernel (C on a CPU, Triton on a GPU: it reads the tables by
+        position), else from tables gathered here once for every layer. (The GPU kernel does
+        not check positions against the tables: that would read a value back to the host
+        inside a captured graph; the engine never schedules past max_position_embeddings.)"""
         if fused_for(self.cos) and positions.device.type == "cpu":
             if positions.numel() and int(positions.max()) >= self.max_positions:
                 raise ValueError(f"position {int(positions.max())} is past the rope tables "
                                  f"({self.max_positions})")
+            return lambda x: rope_(x, positions, self.cos, self.sin)
+        if positions.device == self.cos.device and gpu_rope_for(self.cos[:1, None], self.cos):
             return lambda x: rope_(x, positions, self.cos, self.sin)
         cos, sin = self.tables(positions)
         return lambda x: apply_rope(x, cos, sin)

@@ -1,14 +1,17 @@
 """Fused element-wise steps of a decoder layer: the C kernels of ops/fused_cpu.c for float32
-CPU tensors (one pass over memory each), torch's ops for anything else (GPU, bf16/fp16, or
-no C compiler). Each function states the torch expression it computes.
+CPU tensors (one pass over memory each), the Triton kernels of ops/triton_elementwise.py for
+GPU tensors, torch's ops for anything else (bf16/fp16 on CPU, no C compiler, no triton).
+Each function states the torch expression it computes.
 
-`LORASERVE_FUSED_CPU=0` (or `set_enabled(False)`) takes the torch path on CPU too: for
-comparisons (`benchmarks/kernels/kernel_ab.py elementwise`).
+`LORASERVE_FUSED_CPU=0` (or `set_enabled(False)`) takes the torch path on CPU too, and
+`LORASERVE_FUSED_GPU=0` (or `set_gpu_enabled(False)`) on a GPU: for comparisons
+(`benchmarks/kernels/kernel_ab.py elementwise`, `benchmarks/gpu_decode_step.py`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from pathlib import Path
 
@@ -19,10 +22,15 @@ from loraserve.ops.cbuild import load_library_once
 
 SOURCE = Path(__file__).with_name("fused_cpu.c")
 _enabled = [os.environ.get("LORASERVE_FUSED_CPU", "1") != "0"]
+_gpu_enabled = [os.environ.get("LORASERVE_FUSED_GPU", "1") != "0"]
 
 
 def set_enabled(on: bool) -> None:
     _enabled[0] = on
+
+
+def set_gpu_enabled(on: bool) -> None:
+    _gpu_enabled[0] = on
 
 
 def fused_enabled() -> bool:
@@ -61,6 +69,25 @@ def _kernel(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     return _load()
 
 
+@functools.cache
+def _triton_kernels():
+    try:
+        from loraserve.ops import triton_elementwise
+    except ImportError:  # no triton: torch's ops
+        return None
+    return triton_elementwise
+
+
+def _gpu_kernel(*tensors: torch.Tensor):
+    """ops/triton_elementwise.py when every tensor is on a GPU with unit inner stride."""
+    if not _gpu_enabled[0]:
+        return None
+    for t in tensors:
+        if t.device.type != "cuda" or t.stride(-1) != 1:
+            return None
+    return _triton_kernels()
+
+
 def fused_for(t: torch.Tensor) -> bool:
     """Whether tensors like `t` take the C kernels."""
     return _kernel(t) is not None
@@ -68,6 +95,9 @@ def fused_for(t: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """torch.rms_norm(x, (d,), weight, eps) for x: [T, d]."""
+    gpu = _gpu_kernel(x, weight) if x.dim() == 2 and weight.is_contiguous() else None
+    if gpu is not None:
+        return gpu.add_rms_norm(x, None, 1.0, weight, eps)
     lib = _kernel(x, weight)
     if lib is None or x.dim() != 2 or not weight.is_contiguous():
         return torch.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -81,6 +111,11 @@ def add_rms_norm_(h: torch.Tensor, r: torch.Tensor, alpha: float, weight: torch.
                   eps: float) -> torch.Tensor:
     """h.add_(r, alpha=alpha) in place, then rms_norm(h, weight, eps) (h itself when weight is
     None): the residual add and the next norm in one pass. h, r: [T, d]."""
+    plain = h.dim() == 2 and (weight is None or weight.is_contiguous())
+    gpu = None if not plain else _gpu_kernel(h, r) if weight is None else _gpu_kernel(h, r,
+                                                                                      weight)
+    if gpu is not None:
+        return gpu.add_rms_norm(h, r, alpha, weight, eps)
     lib = _kernel(h, r) if weight is None else _kernel(h, r, weight)
     if lib is None or h.dim() != 2 or (weight is not None and not weight.is_contiguous()):
         h.add_(r, alpha=alpha)
@@ -95,6 +130,9 @@ def add_rms_norm_(h: torch.Tensor, r: torch.Tensor, alpha: float, weight: torch.
 def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     """F.silu(gate) * up, where gate, up = gate_up.split(inter, dim=-1): [T, 2*inter] -> [T,
     inter]."""
+    gpu = _gpu_kernel(gate_up) if gate_up.dim() == 2 else None
+    if gpu is not None:
+        return gpu.silu_mul(gate_up, inter)
     lib = _kernel(gate_up)
     if lib is None:
         gate, up = gate_up.split((inter, inter), dim=-1)
@@ -105,11 +143,20 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     return out
 
 
+def gpu_rope_for(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether rope_ rotates x (a [T, heads, hd] view) with the Triton kernel on its GPU."""
+    return (x.dim() == 3 and x.shape[2] % 2 == 0 and cos.is_contiguous()
+            and _gpu_kernel(x, cos) is not None)
+
+
 def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
           sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding in place, rotate-half layout: x = x * cos[p] + rotate_half(x) * sin[p]
     with p = positions[t] for token t. x: [T, heads, hd] (heads adjacent in a row, as views of
     a fused qkv output are); cos, sin: [P, hd] tables; positions: int64 [T]."""
+    if (gpu_rope_for(x, cos) and positions.dtype == torch.int64
+            and positions.is_contiguous() and positions.device == x.device):
+        return _triton_kernels().rope_(x, positions, cos, sin)
     lib = _kernel(x, cos, sin)
     if (lib is None or x.stride(1) != x.shape[2] or not (cos.is_contiguous()
                                                            and sin.is_contiguous())

@@ -28,6 +28,7 @@ from triton.compiler.compiler import make_backend
 
 from loraserve.lora import triton_sgmv
 from loraserve.model.attention.triton_paged import _kernels
+from loraserve.ops import triton_elementwise as te
 
 target = GPUTarget("cuda", 90, 32)
 backend = make_backend(target)
@@ -67,6 +68,20 @@ for dtype in ("fp32", "bf16", "fp16"):
               "PRECISION": precision})
         ttir(triton_sgmv.sgmv_expand_kernel, typer({"y_ptr", "b_ptr"}, dtype),
              {"BLOCK_M": 16, "BLOCK_R": 16, "TILE": 64, "PRECISION": precision})
+
+    def elementwise(name, dtype=dtype):
+        if name == "pos_ptr":
+            return "*i64"
+        if name.endswith("_ptr"):
+            return "*" + dtype
+        return "fp32" if name in ("alpha", "eps") else "i64"
+
+    for has_r in (False, True):
+        for has_w in (False, True):
+            ttir(te.add_rms_norm_kernel, elementwise,
+                 {"HAS_R": has_r, "HAS_W": has_w, "BLOCK": 2048})
+    ttir(te.silu_mul_kernel, elementwise, {"BLOCK": 1024})
+    ttir(te.rope_kernel, elementwise, {"HALF": 32, "HEADS": 64})
 print("compiled")
 """
 
