@@ -42,8 +42,13 @@ phase() {  # name seconds command...
 
 for p in $phases; do
     case $p in
-    tests) phase tests 110 python3 -m pytest tests/gpu -m gpu -q -n 8 -p no:cacheprovider \
-        --timeout 200 -W ignore::FutureWarning ;;
+    tests) phase tests 110 python3 -m pytest tests/gpu -m gpu -v -n 8 -p no:cacheprovider \
+        --timeout 200 -W ignore::FutureWarning
+        # the fused element-wise kernels broken on this GPU: the benchmarks go on without them
+        if grep -qE "(FAILED|ERROR) tests/gpu/test_elementwise_cuda" "$out/tests.log"; then
+            echo "=== element-wise kernels failed: LORASERVE_FUSED_GPU=0 from here on"
+            export LORASERVE_FUSED_GPU=0
+        fi ;;
     decode) phase decode 80 python3 benchmarks/gpu_decode_step.py "${tok[@]}" \
         --json "$out/gpu_decode_step.json" ;;
     profile) phase profile 75 python3 benchmarks/gpu_profile.py --k-chunks 1024,512,256 \
