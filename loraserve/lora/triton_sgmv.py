@@ -28,7 +28,7 @@ import triton.language as tl
 BLOCK_M = 16  # tokens per program
 TILE = 64  # layout.RANK_TILE and layout.B_STRIP: the packed layout's tile widths
 BLOCK_K = 128  # d_in per iteration of the shrink
-K_CHUNK = 512  # d_in per shrink program (k_splits)
+K_CHUNK = 1024  # d_in per shrink program (k_splits)
 
 
 @triton.jit
