@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU check in one run that fits a lent GPU machine's time (about ten minutes): the gpu
 # test tier (tests/gpu), then the benchmarks. Each phase has its own time limit, so a phase
-# that hangs costs only its share, and writes its log into OUT.
+# that hangs costs only its share. Logs and results go into OUT/gpu_check.tgz, written again
+# after each phase: one file (a lease returns only a few), and whatever the phases before a
+# cut-off run finished.
 #
 #   benchmarks/gpu_check.sh OUT [PHASE...]   PHASE: tests decode profile serving churn
 #                                            (default: all, in that order)
@@ -15,6 +17,7 @@ out=${1:?usage: benchmarks/gpu_check.sh OUT [PHASE...]}
 shift
 phases=${*:-tests decode profile serving churn}
 mkdir -p "$out"
+raw=$(mktemp -d)
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH="$PWD"
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -28,37 +31,38 @@ tok=()
 "cuda", torch.version.cuda, "triton", triton.__version__, "transformers",
 transformers.__version__, "peft", peft.__version__)'
     git rev-parse --short HEAD 2>/dev/null
-} >"$out/device.txt" 2>&1
-cat "$out/device.txt"
+} >"$raw/device.txt" 2>&1
+cat "$raw/device.txt"
 
 phase() {  # name seconds command...
     local name=$1 limit=$2
     shift 2
     echo "=== $name (limit ${limit}s)"
     local t0=$SECONDS
-    timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
-    echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0))s" | tee -a "$out/$name.log"
+    timeout "$limit" "$@" 2>&1 | tee "$raw/$name.log"
+    echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0))s" | tee -a "$raw/$name.log"
+    tar -czf "$out/gpu_check.tgz" -C "$raw" .
 }
 
 for p in $phases; do
     case $p in
-    tests) phase tests 110 python3 -m pytest tests/gpu -m gpu -v -n 8 -p no:cacheprovider \
+    tests) phase tests 80 python3 -m pytest tests/gpu -m gpu -v -n 8 -p no:cacheprovider \
         --timeout 200 -W ignore::FutureWarning
         # the fused element-wise kernels broken on this GPU: the benchmarks go on without them
-        if grep -qE "(FAILED|ERROR) tests/gpu/test_elementwise_cuda" "$out/tests.log"; then
+        if grep -qE "(FAILED|ERROR) tests/gpu/test_elementwise_cuda" "$raw/tests.log"; then
             echo "=== element-wise kernels failed: LORASERVE_FUSED_GPU=0 from here on"
             export LORASERVE_FUSED_GPU=0
         fi ;;
-    decode) phase decode 80 python3 benchmarks/gpu_decode_step.py "${tok[@]}" \
-        --json "$out/gpu_decode_step.json" ;;
-    profile) phase profile 75 python3 benchmarks/gpu_profile.py --k-chunks 1024,512,256 \
-        --step-reps 1 "${tok[@]}" --json "$out/gpu_profile.json" ;;
-    serving) phase serving 170 python3 benchmarks/gpu_serving.py --models llama-1b \
+    decode) phase decode 100 python3 benchmarks/gpu_decode_step.py "${tok[@]}" \
+        --json "$raw/gpu_decode_step.json" ;;
+    profile) phase profile 60 python3 benchmarks/gpu_profile.py --step-reps 1 "${tok[@]}" \
+        --json "$raw/gpu_profile.json" ;;
+    serving) phase serving 110 python3 benchmarks/gpu_serving.py --models llama-1b \
         --reps 3 --peft-reps 1 --peft-sequential-reps 0 "${tok[@]}" \
-        --json "$out/gpu_serving.json" ;;
-    churn) phase churn 140 python3 benchmarks/gpu_churn.py --configs B,A,B-blocking,C \
-        --reps 1 "${tok[@]}" \
-        --json "$out/gpu_churn.json" ;;
+        --json "$raw/gpu_serving.json" ;;
+    churn) phase churn 190 python3 benchmarks/gpu_churn.py --configs B,A,B-blocking,C \
+        --reps 2 "${tok[@]}" \
+        --json "$raw/gpu_churn.json" ;;
     *) echo "unknown phase $p" ;;
     esac
 done

@@ -1,7 +1,10 @@
 """Batch-1 decode on a GPU, replayed from CUDA graphs, with the element-wise steps as Triton
 kernels (ops/triton_elementwise.py) against torch's ops: time per token, and what the torch
 profiler sees in a step (kernels launched, their summed device time, the rest of the wall
-time: the host's share between replays).
+time: the host's share between replays). Then, on each side, a replayed decode step of 64
+sequences over 16 adapters (r8-64, all modules) and one of 64 base-only sequences through the
+same profiler: where a mixed step spends the time a base-only one does not (the LoRA shrink
+and expand kernels by name).
 
 One engine on the Llama-3.2-1B-shaped model of gpu_serving.py (bf16, random weights); the two
 sides alternate in one process (`LORASERVE_FUSED_GPU` off / on, the decode graphs recorded
@@ -27,6 +30,7 @@ from common import random_llama, scratch_dir  # noqa: E402
 from gpu_serving import LLAMA_1B, SMOKE, copy_rate_gbs, sync  # noqa: E402
 
 from loraserve import LLM, SamplingParams  # noqa: E402
+from loraserve.bench.make_adapters import make_synthetic_adapters  # noqa: E402
 from loraserve.engine.cuda_graphs import ReplayEmulator  # noqa: E402
 from loraserve.ops.elementwise import set_gpu_enabled  # noqa: E402
 
@@ -41,28 +45,56 @@ def per_token_ms(llm: LLM, prompt: list[int], tokens: int) -> float:
     return 1e3 * (time.perf_counter() - t) / tokens
 
 
-def profile_step(llm: LLM, prompt: list[int], tokens: int) -> dict:
-    """Kernels per decode token and their device time, from the torch profiler."""
+def profiled(run, per: int, device: str) -> dict:
+    """run() under the torch profiler: kernels, their device time and the wall time, each
+    divided by `per` (tokens or steps), and the top kernels by device time (ms, count)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
-                                     else [])
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=acts) as prof:
         t = time.perf_counter()
-        llm.generate([prompt], params)
-        sync(llm.engine.device.type)
+        run()
+        sync(device)
         wall = time.perf_counter() - t
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e3
-    by_name: dict[str, float] = {}
+    by_name: dict[str, list[float]] = {}
     for e in kernels:
-        by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
-    return {"kernels_per_token": len(kernels) / tokens,
-            "device_ms_per_token": busy / tokens, "wall_ms_per_token": 1e3 * wall / tokens,
-            "top_kernels_ms_per_token": {k[:90]: v / tokens for k, v in top}}
+        ms_count = by_name.setdefault(e.name[:90], [0.0, 0])
+        ms_count[0] += e.time_range.elapsed_us() / 1e3 / per
+        ms_count[1] += 1 / per
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:14]
+    return {"kernels": len(kernels) / per, "wall_ms": 1e3 * wall / per,
+            "device_ms": sum(ms for ms, _ in by_name.values()),
+            "top_kernels_ms_count": dict(top)}
+
+
+def profile_step(llm: LLM, prompt: list[int], tokens: int) -> dict:
+    """Per decode token of one sequence."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    return profiled(lambda: llm.generate([prompt], params), tokens, llm.engine.device.type)
+
+
+def profile_mixed_step(llm: LLM, names: list[str | None], seqs: int, steps: int) -> dict:
+    """Per decode step of `seqs` sequences spread over the adapters `names` ([None]: the
+    base model alone), the prompts' prefill done before the profiler starts."""
+    eng = llm.engine
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    reqs = [eng.add_request(list(range(200 + i, 232 + i)), params, names[i % len(names)])
+            for i in range(seqs)]
+    while not all(r.output_token_ids for r in reqs):
+        eng.step()
+    before = sum(g.replays for g in eng.runner.graphs.graphs.values())
+
+    def decode() -> None:
+        for _ in range(steps):
+            eng.step()
+
+    res = profiled(decode, steps, eng.device.type)
+    res["replayed_steps"] = sum(g.replays for g in eng.runner.graphs.graphs.values()) - before
+    while eng.has_work:
+        eng.step()
+    return res
 
 
 def main() -> None:
@@ -81,23 +113,30 @@ def main() -> None:
     model_dir = random_llama(SMOKE if args.smoke else LLAMA_1B, work / "model", dtype,
                              args.tokenizer)
     cpu = {"attention_backend": "triton", "lora_backend": "triton"} if args.smoke else {}
+    paths = make_synthetic_adapters(model_dir, work, 4 if args.smoke else 16,
+                                    ranks=(4, 8) if args.smoke else (8, 16, 32, 64))
+    names = [p.name for p in paths]
+    seqs = 4 if args.smoke else 64
     llm = LLM(model_dir, device=device, dtype=str(dtype).removeprefix("torch."),
-              enable_prefix_caching=False, cuda_graph_max_bs=8, **cpu)
+              lora_paths={p.name: str(p) for p in paths}, max_loras_per_batch=len(names),
+              max_lora_rank=64, enable_prefix_caching=False, cuda_graph_max_bs=seqs, **cpu)
     runner = llm.engine.runner
     prompt = list(range(100, 132))
     sides: dict[str, dict] = {"torch": {"ms": []}, "triton": {"ms": []}}
     for pair in range(args.pairs):
         for name in ("torch", "triton"):
             set_gpu_enabled(name == "triton")
-            runner.enable_decode_graphs(8, llm.engine.max_model_len,
+            runner.enable_decode_graphs(seqs, llm.engine.max_model_len,
                                         None if device == "cuda" else ReplayEmulator)
             per_token_ms(llm, prompt, 8)  # warm-up: Triton compiles, the allocator settles
             sides[name]["ms"].append(per_token_ms(llm, prompt, args.tokens))
             if pair == 0:
                 try:
                     sides[name]["profile"] = profile_step(llm, prompt, 32)
+                    sides[name]["mixed_step"] = profile_mixed_step(llm, names, seqs, 8)
+                    sides[name]["base_step"] = profile_mixed_step(llm, [None], seqs, 8)
                 except Exception as e:  # the timings above stand without it
-                    sides[name]["profile"] = {"error": repr(e)}
+                    sides[name]["profile_error"] = repr(e)
             print(name, pair, f"{sides[name]['ms'][-1]:.3f} ms/token", flush=True)
     for s in sides.values():
         s["ms_per_token"] = statistics.median(s["ms"])
