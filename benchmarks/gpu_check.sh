@@ -53,14 +53,14 @@ for p in $phases; do
             echo "=== element-wise kernels failed: LORASERVE_FUSED_GPU=0 from here on"
             export LORASERVE_FUSED_GPU=0
         fi ;;
-    decode) phase decode 100 python3 benchmarks/gpu_decode_step.py "${tok[@]}" \
+    decode) phase decode 120 python3 benchmarks/gpu_decode_step.py "${tok[@]}" \
         --json "$raw/gpu_decode_step.json" ;;
     profile) phase profile 60 python3 benchmarks/gpu_profile.py --step-reps 1 "${tok[@]}" \
         --json "$raw/gpu_profile.json" ;;
     serving) phase serving 110 python3 benchmarks/gpu_serving.py --models llama-1b \
         --reps 3 --peft-reps 1 --peft-sequential-reps 0 "${tok[@]}" \
         --json "$raw/gpu_serving.json" ;;
-    churn) phase churn 190 python3 benchmarks/gpu_churn.py --configs B,A,B-blocking,C \
+    churn) phase churn 170 python3 benchmarks/gpu_churn.py --configs B,A,B-blocking,C \
         --reps 2 "${tok[@]}" \
         --json "$raw/gpu_churn.json" ;;
     *) echo "unknown phase $p" ;;

@@ -4,7 +4,8 @@ profiler sees in a step (kernels launched, their summed device time, the rest of
 time: the host's share between replays). Then, on each side, a replayed decode step of 64
 sequences over 16 adapters (r8-64, all modules) and one of 64 base-only sequences through the
 same profiler: where a mixed step spends the time a base-only one does not (the LoRA shrink
-and expand kernels by name).
+and expand kernels by name); on the Triton side also with 4 and 16 column strips per expand
+program.
 
 One engine on the Llama-3.2-1B-shaped model of gpu_serving.py (bf16, random weights); the two
 sides alternate in one process (`LORASERVE_FUSED_GPU` off / on, the decode graphs recorded
@@ -97,6 +98,23 @@ def profile_mixed_step(llm: LLM, names: list[str | None], seqs: int, steps: int)
     return res
 
 
+def expand_strips(llm: LLM, names: list[str], seqs: int, device: str) -> dict:
+    """The mixed step again with 4 and 16 column strips per LoRA expand program
+    (lora/triton_sgmv.EXPAND_STRIPS), graphs recorded again for each; left at its default."""
+    from loraserve.lora import triton_sgmv
+
+    default, out = triton_sgmv.EXPAND_STRIPS, {}
+    try:
+        for strips in (4, 16):
+            triton_sgmv.EXPAND_STRIPS = strips
+            llm.engine.runner.enable_decode_graphs(
+                seqs, llm.engine.max_model_len, None if device == "cuda" else ReplayEmulator)
+            out[f"mixed_step_strips{strips}"] = profile_mixed_step(llm, names, seqs, 8)
+    finally:
+        triton_sgmv.EXPAND_STRIPS = default
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=128)
@@ -135,6 +153,8 @@ def main() -> None:
                     sides[name]["profile"] = profile_step(llm, prompt, 32)
                     sides[name]["mixed_step"] = profile_mixed_step(llm, names, seqs, 8)
                     sides[name]["base_step"] = profile_mixed_step(llm, [None], seqs, 8)
+                    if name == "triton":
+                        sides[name].update(expand_strips(llm, names, seqs, device))
                 except Exception as e:  # the timings above stand without it
                     sides[name]["profile_error"] = repr(e)
             print(name, pair, f"{sides[name]['ms'][-1]:.3f} ms/token", flush=True)

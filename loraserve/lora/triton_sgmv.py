@@ -12,7 +12,7 @@ costs its own packed rank, never max_lora_rank.
   t[k, rows, 64j:64j+64] = x[rows, K_k] @ A_s.T[K_k] for the 64-column tile j of slot s's A.T
   ([d_in, w] row-major at c0 * d_in into the slot); tiles past the segment's padded rank exit
   at once. bf16 / fp16 operands multiply as they are, float32 ones in IEEE precision.
-- expand: program (block-part i, column strip j) sums t's parts in order and adds
+- expand: program (block-part i, column strips j*STRIPS...) sums t's parts in order and adds
   t[rows, o0:o0+r] @ B.T[:, 64j:64j+64]
   into y[rows, c0+64j:...], B.T's strip j stored [r, w] row-major at boff + 64j * r. Parts of
   one segment write disjoint columns and segments disjoint rows: no two programs add to the
@@ -29,6 +29,10 @@ BLOCK_M = 16  # tokens per program
 TILE = 64  # layout.RANK_TILE and layout.B_STRIP: the packed layout's tile widths
 BLOCK_K = 128  # d_in per iteration of the shrink
 K_CHUNK = 1024  # d_in per shrink program (k_splits)
+# 64-column strips per expand program. In a replayed graph the grid is sized for the worst
+# case (every token its own part, the widest module), so most programs exit at once; more
+# strips per program launch fewer of them. Each strip's sum is the same whatever the value.
+EXPAND_STRIPS = 1
 
 
 @triton.jit
@@ -74,9 +78,8 @@ def sgmv_expand_kernel(t_ptr, t_stride, t_split_stride, n_splits, y_ptr, y_strid
                        b_slot_stride,
                        parts_ptr,  # int64 [n, 8]: slot, row0, row1, o0, r, c0, n_cols, boff
                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, TILE: tl.constexpr,
-                       PRECISION: tl.constexpr):
+                       PRECISION: tl.constexpr, STRIPS: tl.constexpr):
     i = tl.program_id(0)
-    j = tl.program_id(1)
     slot = tl.load(parts_ptr + i * 8)
     row0 = tl.load(parts_ptr + i * 8 + 1)
     row1 = tl.load(parts_ptr + i * 8 + 2)
@@ -85,7 +88,19 @@ def sgmv_expand_kernel(t_ptr, t_stride, t_split_stride, n_splits, y_ptr, y_strid
     c0 = tl.load(parts_ptr + i * 8 + 5)
     n_cols = tl.load(parts_ptr + i * 8 + 6)
     boff = tl.load(parts_ptr + i * 8 + 7)
-    s0 = j * TILE
+    for q in tl.static_range(STRIPS):  # strips j*STRIPS .. j*STRIPS + STRIPS - 1
+        _expand_strip(t_ptr, t_stride, t_split_stride, n_splits, y_ptr, y_stride, b_ptr,
+                      b_slot_stride, slot, row0, row1, o0, r, c0, n_cols, boff,
+                      (tl.program_id(1) * STRIPS + q) * TILE, BLOCK_M, BLOCK_R, TILE,
+                      PRECISION)
+
+
+@triton.jit
+def _expand_strip(t_ptr, t_stride, t_split_stride, n_splits, y_ptr, y_stride, b_ptr,
+                  b_slot_stride, slot, row0, row1, o0, r, c0, n_cols, boff, s0,
+                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, TILE: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """One 64-column strip of one part: y[rows, c0+s0:...] += t[rows, o0:o0+r] @ strip."""
     if s0 < n_cols:
         w = tl.minimum(n_cols - s0, TILE)  # this strip's width
         rows = row0 + tl.arange(0, BLOCK_M)
@@ -138,7 +153,7 @@ def launch_shrink(x, t, group_A, blocks, num_blocks: int, max_rp: int, d_in: int
 
 
 def launch_expand(t, y, group_B, parts, num_parts: int, max_cols: int) -> None:
-    grid = (num_parts, triton.cdiv(max_cols, TILE))
+    grid = (num_parts, triton.cdiv(max_cols, TILE * EXPAND_STRIPS))
     sgmv_expand_kernel[grid](t, t.stride(1), t.stride(0), t.shape[0], y, y.stride(0), group_B,
                              group_B.stride(0), parts, BLOCK_M=BLOCK_M, BLOCK_R=16, TILE=TILE,
-                             PRECISION=precision(y.dtype))
+                             PRECISION=precision(y.dtype), STRIPS=EXPAND_STRIPS)

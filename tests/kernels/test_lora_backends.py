@@ -124,3 +124,28 @@ def test_pool_tile_width_follows_the_backend_that_will_run(monkeypatch):
     assert pool_tile_width(None, torch.float32, cuda) == 64
     monkeypatch.setenv("LORASERVE_LORA_BACKEND", "torch")
     assert pool_tile_width(None, torch.float32, cpu) == 64
+
+
+@pytest.mark.parametrize("strips", [2, 3])
+def test_triton_expand_strips_per_program_change_no_bit(monkeypatch, strips):
+    """More 64-column strips per expand program (fewer programs in a replayed graph's worst-case
+    grid) computes each strip's sum exactly as one strip per program does."""
+    from loraserve.lora import triton_sgmv
+
+    rng = random.Random(7)
+    pool, adapters = random_pool(rng)
+    backend = create_lora_backend(pool, "triton")
+    seqs = [(0, 3), (None, 2), (1, 9), (4, 1), (5, 17)]
+    plan = backend.plan(seqs)
+    token_slots = LoraBatch.build(seqs, pool).token_slots()
+    g = torch.Generator().manual_seed(1)
+    for group, lay in pool.layouts.items():
+        x = torch.randn(len(token_slots), lay.d_in, generator=g)
+        y = torch.randn(len(token_slots), lay.d_out, generator=g)
+        outs = []
+        for n in (1, strips):
+            monkeypatch.setattr(triton_sgmv, "EXPAND_STRIPS", n)
+            got = y.clone()
+            backend.apply(plan, 0, group, x, got)
+            outs.append(got)
+        assert torch.equal(outs[0], outs[1]), group
