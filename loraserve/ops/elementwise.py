@@ -154,8 +154,9 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     """Rotary embedding in place, rotate-half layout: x = x * cos[p] + rotate_half(x) * sin[p]
     with p = positions[t] for token t. x: [T, heads, hd] (heads adjacent in a row, as views of
     a fused qkv output are); cos, sin: [P, hd] tables; positions: int64 [T]."""
-    if (gpu_rope_for(x, cos) and positions.dtype == torch.int64
-            and positions.is_contiguous() and positions.device == x.device):
+    if (gpu_rope_for(x, cos) and sin.is_contiguous() and sin.shape == cos.shape
+            and positions.dtype == torch.int64 and positions.is_contiguous()
+            and positions.device == x.device):
         return _triton_kernels().rope_(x, positions, cos, sin)
     lib = _kernel(x, cos, sin)
     if (lib is None or x.stride(1) != x.shape[2] or not (cos.is_contiguous()
