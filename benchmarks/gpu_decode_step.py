@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import random_llama, scratch_dir  # noqa: E402
-from gpu_serving import LLAMA_1B, SMOKE, copy_rate_gbs, sync  # noqa: E402
+from gpu_serving import LLAMA_1B, SMOKE, copy_rate_gbs, sync, time_loraserve  # noqa: E402
 
 from loraserve import LLM, SamplingParams  # noqa: E402
 from loraserve.bench.make_adapters import make_synthetic_adapters  # noqa: E402
@@ -37,13 +37,7 @@ from loraserve.ops.elementwise import set_gpu_enabled  # noqa: E402
 
 
 def per_token_ms(llm: LLM, prompt: list[int], tokens: int) -> float:
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    sync(llm.engine.device.type)
-    t = time.perf_counter()
-    out = llm.generate([prompt], params)[0]
-    sync(llm.engine.device.type)
-    assert len(out.token_ids) == tokens
-    return 1e3 * (time.perf_counter() - t) / tokens
+    return 1e3 * time_loraserve(llm, [prompt], tokens) / tokens
 
 
 def profiled(run, per: int, device: str) -> dict:
@@ -85,14 +79,18 @@ def profile_mixed_step(llm: LLM, names: list[str | None], seqs: int, steps: int)
             for i in range(seqs)]
     while not all(r.output_token_ids for r in reqs):
         eng.step()
-    before = sum(g.replays for g in eng.runner.graphs.graphs.values())
+
+    def replays() -> int:
+        return sum(g.replays for g in eng.runner.graphs.graphs.values())
+
+    before = replays()
 
     def decode() -> None:
         for _ in range(steps):
             eng.step()
 
     res = profiled(decode, steps, eng.device.type)
-    res["replayed_steps"] = sum(g.replays for g in eng.runner.graphs.graphs.values()) - before
+    res["replayed_steps"] = replays() - before
     while eng.has_work:
         eng.step()
     return res

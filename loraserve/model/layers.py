@@ -40,7 +40,7 @@ class RotaryEmbedding:
                 raise ValueError(f"position {int(positions.max())} is past the rope tables "
                                  f"({self.max_positions})")
             return lambda x: rope_(x, positions, self.cos, self.sin)
-        if positions.device == self.cos.device and gpu_rope_for(self.cos[:1, None], self.cos):
+        if positions.device == self.cos.device and gpu_rope_for(self.cos, self.sin):
             return lambda x: rope_(x, positions, self.cos, self.sin)
         cos, sin = self.tables(positions)
         return lambda x: apply_rope(x, cos, sin)

@@ -111,12 +111,12 @@ def add_rms_norm_(h: torch.Tensor, r: torch.Tensor, alpha: float, weight: torch.
                   eps: float) -> torch.Tensor:
     """h.add_(r, alpha=alpha) in place, then rms_norm(h, weight, eps) (h itself when weight is
     None): the residual add and the next norm in one pass. h, r: [T, d]."""
+    tensors = (h, r) if weight is None else (h, r, weight)
     plain = h.dim() == 2 and (weight is None or weight.is_contiguous())
-    gpu = None if not plain else _gpu_kernel(h, r) if weight is None else _gpu_kernel(h, r,
-                                                                                      weight)
+    gpu = _gpu_kernel(*tensors) if plain else None
     if gpu is not None:
         return gpu.add_rms_norm(h, r, alpha, weight, eps)
-    lib = _kernel(h, r) if weight is None else _kernel(h, r, weight)
+    lib = _kernel(*tensors)
     if lib is None or h.dim() != 2 or (weight is not None and not weight.is_contiguous()):
         h.add_(r, alpha=alpha)
         return h if weight is None else torch.rms_norm(h, (h.shape[-1],), weight, eps)
@@ -143,10 +143,11 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     return out
 
 
-def gpu_rope_for(x: torch.Tensor, cos: torch.Tensor) -> bool:
-    """Whether rope_ rotates x (a [T, heads, hd] view) with the Triton kernel on its GPU."""
-    return (x.dim() == 3 and x.shape[2] % 2 == 0 and cos.is_contiguous()
-            and _gpu_kernel(x, cos) is not None)
+def gpu_rope_for(cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether rope_ rotates by these tables with the Triton kernel (on their GPU): the kernel
+    reads both with cos's row stride."""
+    return (cos.is_contiguous() and sin.is_contiguous() and sin.shape == cos.shape
+            and _gpu_kernel(cos, sin) is not None)
 
 
 def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -154,7 +155,8 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     """Rotary embedding in place, rotate-half layout: x = x * cos[p] + rotate_half(x) * sin[p]
     with p = positions[t] for token t. x: [T, heads, hd] (heads adjacent in a row, as views of
     a fused qkv output are); cos, sin: [P, hd] tables; positions: int64 [T]."""
-    if (gpu_rope_for(x, cos) and sin.is_contiguous() and sin.shape == cos.shape
+    if (x.dim() == 3 and x.shape[2] == cos.shape[1] and gpu_rope_for(cos, sin)
+            and _gpu_kernel(x) is not None
             and positions.dtype == torch.int64 and positions.is_contiguous()
             and positions.device == x.device):
         return _triton_kernels().rope_(x, positions, cos, sin)
