@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../ops/tuning.h" /* ELEMWISE_PARALLEL_MIN */
+
 typedef int (*gemm_fn)(int kind, const float *x, int64_t ldx, int64_t M, int64_t K,
                        const void *w, const void *w2, const void *w3, int64_t N, float *y,
                        int64_t ldy, void *work, int nthreads);
@@ -34,6 +36,13 @@ typedef int (*attention_fn)(const float *q, int64_t q_stride, const int64_t *row
                             const int64_t *tables, int64_t table_stride, const int64_t *lens,
                             int64_t n, int64_t nh, int64_t kvh, int64_t hd, int64_t block_size,
                             float scale, int64_t window, float softcap, int nthreads);
+typedef int (*attention_team_fn)(const float *q, int64_t q_stride, const int64_t *rows,
+                                 float *out, int64_t out_stride, const float *k_cache,
+                                 const float *v_cache, const int64_t *tables,
+                                 int64_t table_stride, const int64_t *lens, int64_t n,
+                                 int64_t nh, int64_t kvh, int64_t hd, int64_t block_size,
+                                 float scale, int64_t window, float softcap, int nthreads,
+                                 int *failed);
 
 /* ops/gemm_cpu.c's float32 GEMM over its packed panels */
 typedef void (*gemm_f32_fn)(const float *x, int64_t ldx, const float *packed, int64_t M,
@@ -42,9 +51,10 @@ typedef void (*gemm_f32_fn)(const float *x, int64_t ldx, const float *packed, in
 
 /* One projection: its kernel and that kernel's weight arguments (w, w2, w3 as the kernel
  * names them: quants and scales and offsets, in panels or in dot order; a float32 weight's
- * panels are w, its kind KIND_F32_PANELS and fn a gemm_f32_fn) */
+ * panels are w, its kind KIND_F32_PANELS and fn a gemm_f32_fn); team_fn the same kernel for
+ * callers inside one team (qpanel_gemm_team), or NULL where the kernel has none */
 typedef struct {
-    gemm_fn fn;
+    gemm_fn fn, team_fn;
     int64_t kind, n, k;
     const void *w, *w2, *w3;
 } projection_t;
@@ -63,6 +73,7 @@ typedef struct {
     silu_mul_fn silu_mul;
     rope_fn rope;
     attention_fn attention;
+    attention_team_fn attention_team; /* NULL: no step runs in one team */
     int64_t d, nh, kvh, hd, inter, block_size;
     float eps, residual, scale, softcap;
     const float *first_norm, *cos, *sin;
@@ -85,6 +96,104 @@ static int project(const projection_t *p, const float *x, int64_t ldx, int64_t B
                  nthreads);
 }
 
+/* The step in one OpenMP team: every thread runs the layer loop, the GEMMs and the attention
+ * share their work out over the team (their _team entry points), and the element-wise kernels
+ * and the K/V write run on one thread. Why: at batch 1 a layer's kernels are a few
+ * microseconds each, and starting and joining a team per kernel (five a layer) cost a
+ * noticeable part of them; a barrier between two threads of a running team costs less. Taken
+ * only where every element-wise kernel runs on one thread anyway (few rows), so each kernel
+ * computes what it computes in the loop below, bit for bit. */
+static int team_fits(const model_t *m, const layer_t *layers, int64_t n_layers, int64_t B) {
+    if (!m->attention_team) return 0;
+    const int64_t widest = m->inter > (m->nh + m->kvh) * m->hd ? m->inter
+                                                                : (m->nh + m->kvh) * m->hd;
+    if (B * (widest > m->d ? widest : m->d) >= ELEMWISE_PARALLEL_MIN) return 0;
+    for (int64_t li = 0; li < n_layers; li++) {
+        const layer_t *L = &layers[li];
+        if (!L->qkv.team_fn || !L->o.team_fn || !L->gate_up.team_fn || !L->down.team_fn)
+            return 0;
+    }
+    return 1;
+}
+
+/* Whether a step of B rows on nthreads threads runs in one team (native_decode.py asks, for
+ * its tests and benchmarks). */
+int native_decode_in_team(const model_t *m, const layer_t *layers, int64_t n_layers, int64_t B,
+                          int nthreads) {
+    return nthreads > 1 && team_fits(m, layers, n_layers, B);
+}
+
+static int project_team(const projection_t *p, const float *x, int64_t ldx, int64_t B, float *y,
+                        void *work, int nthreads) {
+    return p->team_fn((int)p->kind, x, ldx, B, p->k, p->w, p->w2, p->w3, p->n, y, p->n, work,
+                      nthreads);
+}
+
+/* Scratch row pointers of one step. */
+typedef struct {
+    float *x, *qkv, *a, *o, *gu, *mlp;
+    int64_t q_size, kv_size, ld_qkv;
+} step_buffers_t;
+
+static step_buffers_t buffers(const model_t *m, int64_t B, float *scratch) {
+    step_buffers_t s = {.q_size = m->nh * m->hd, .kv_size = m->kvh * m->hd};
+    s.ld_qkv = s.q_size + 2 * s.kv_size;
+    s.x = scratch;
+    s.qkv = s.x + B * m->d;
+    s.a = s.qkv + B * s.ld_qkv;
+    s.o = s.a + B * s.q_size;
+    s.gu = s.o + B * m->d;
+    s.mlp = s.gu + B * 2 * m->inter;
+    return s;
+}
+
+/* the new tokens' K and V into the layer's cache slots */
+static void write_kv(const layer_t *L, const step_buffers_t *s, int64_t B, const int64_t *slots) {
+    for (int64_t t = 0; t < B; t++) {
+        memcpy(L->k_cache + slots[t] * s->kv_size, s->qkv + t * s->ld_qkv + s->q_size,
+               4 * s->kv_size);
+        memcpy(L->v_cache + slots[t] * s->kv_size, s->qkv + t * s->ld_qkv + s->q_size +
+               s->kv_size, 4 * s->kv_size);
+    }
+}
+
+/* The team's layer loop (every thread of the team calls it). Returns as native_decode. */
+static int layers_in_team(const model_t *m, const layer_t *layers, int64_t n_layers, float *h,
+                          int64_t B, const int64_t *positions, const int64_t *slots,
+                          const int64_t *rows, const int64_t *tables, int64_t table_stride,
+                          const int64_t *lens, const step_buffers_t *s, void *work,
+                          int nthreads, int *attention_failed) {
+    const int64_t d = m->d, nh = m->nh, kvh = m->kvh, hd = m->hd, inter = m->inter;
+#pragma omp single
+    m->rms_norm(h, d, m->first_norm, s->x, d, B, d, m->eps, nthreads);
+    for (int64_t li = 0; li < n_layers; li++) {
+        const layer_t *L = &layers[li];
+        /* a kernel's refusal depends on its arguments alone: every thread sees the same */
+        if (project_team(&L->qkv, s->x, d, B, s->qkv, work, nthreads)) return (int)li + 1;
+#pragma omp single
+        {
+            m->rope(s->qkv, s->ld_qkv, B, nh + kvh, hd, positions, m->cos, m->sin, nthreads);
+            write_kv(L, s, B, slots);
+        }
+        if (m->attention_team(s->qkv, s->ld_qkv, rows, s->a, s->q_size, L->k_cache, L->v_cache,
+                              tables, table_stride, lens, B, nh, kvh, hd, m->block_size,
+                              m->scale, L->window, m->softcap, nthreads, attention_failed))
+            return (int)li + 1;
+        if (project_team(&L->o, s->a, s->q_size, B, s->o, work, nthreads)) return (int)li + 1;
+#pragma omp single
+        m->add_rms_norm(h, d, s->o, d, m->residual, L->post_norm, s->x, d, B, d, m->eps,
+                        nthreads);
+        if (project_team(&L->gate_up, s->x, d, B, s->gu, work, nthreads)) return (int)li + 1;
+#pragma omp single
+        m->silu_mul(s->gu, 2 * inter, s->mlp, inter, B, inter, nthreads);
+        if (project_team(&L->down, s->mlp, inter, B, s->o, work, nthreads)) return (int)li + 1;
+#pragma omp single
+        m->add_rms_norm(h, d, s->o, d, m->residual, L->next_norm, s->x, d, B, d, m->eps,
+                        nthreads);
+    }
+    return 0;
+}
+
 /* h [B, d] (the embeddings in; the last layer's residual stream out). Returns 0, or the
  * 1-based layer whose kernel refused (a GEMM's shape, the attention's scratch). */
 int native_decode(const model_t *m, const layer_t *layers, int64_t n_layers, float *h,
@@ -92,29 +201,37 @@ int native_decode(const model_t *m, const layer_t *layers, int64_t n_layers, flo
                   const int64_t *rows, const int64_t *tables, int64_t table_stride,
                   const int64_t *lens, float *scratch, void *work, int nthreads) {
     const int64_t d = m->d, nh = m->nh, kvh = m->kvh, hd = m->hd, inter = m->inter;
-    const int64_t q_size = nh * hd, kv_size = kvh * hd, ld_qkv = q_size + 2 * kv_size;
-    float *x = scratch, *qkv = x + B * d, *a = qkv + B * ld_qkv, *o = a + B * q_size;
-    float *gu = o + B * d, *mlp = gu + B * 2 * inter;
-    m->rms_norm(h, d, m->first_norm, x, d, B, d, m->eps, nthreads);
+    const step_buffers_t s = buffers(m, B, scratch);
+    if (native_decode_in_team(m, layers, n_layers, B, nthreads)) {
+        int rc = 0, attention_failed = 0;
+#pragma omp parallel num_threads(nthreads)
+        {
+            const int mine = layers_in_team(m, layers, n_layers, h, B, positions, slots, rows,
+                                            tables, table_stride, lens, &s, work, nthreads,
+                                            &attention_failed);
+#pragma omp master
+            rc = mine;
+        }
+        return rc;
+    }
+    m->rms_norm(h, d, m->first_norm, s.x, d, B, d, m->eps, nthreads);
     for (int64_t li = 0; li < n_layers; li++) {
         const layer_t *L = &layers[li];
-        if (project(&L->qkv, x, d, B, qkv, work, nthreads)) return (int)li + 1;
-        m->rope(qkv, ld_qkv, B, nh + kvh, hd, positions, m->cos, m->sin, nthreads);
-        for (int64_t t = 0; t < B; t++) {
-            memcpy(L->k_cache + slots[t] * kv_size, qkv + t * ld_qkv + q_size, 4 * kv_size);
-            memcpy(L->v_cache + slots[t] * kv_size, qkv + t * ld_qkv + q_size + kv_size,
-                   4 * kv_size);
-        }
-        if (m->attention(qkv, ld_qkv, rows, a, q_size, L->k_cache, L->v_cache, tables,
+        if (project(&L->qkv, s.x, d, B, s.qkv, work, nthreads)) return (int)li + 1;
+        m->rope(s.qkv, s.ld_qkv, B, nh + kvh, hd, positions, m->cos, m->sin, nthreads);
+        write_kv(L, &s, B, slots);
+        if (m->attention(s.qkv, s.ld_qkv, rows, s.a, s.q_size, L->k_cache, L->v_cache, tables,
                          table_stride, lens, B, nh, kvh, hd, m->block_size, m->scale,
                          L->window, m->softcap, nthreads))
             return (int)li + 1;
-        if (project(&L->o, a, q_size, B, o, work, nthreads)) return (int)li + 1;
-        m->add_rms_norm(h, d, o, d, m->residual, L->post_norm, x, d, B, d, m->eps, nthreads);
-        if (project(&L->gate_up, x, d, B, gu, work, nthreads)) return (int)li + 1;
-        m->silu_mul(gu, 2 * inter, mlp, inter, B, inter, nthreads);
-        if (project(&L->down, mlp, inter, B, o, work, nthreads)) return (int)li + 1;
-        m->add_rms_norm(h, d, o, d, m->residual, L->next_norm, x, d, B, d, m->eps, nthreads);
+        if (project(&L->o, s.a, s.q_size, B, s.o, work, nthreads)) return (int)li + 1;
+        m->add_rms_norm(h, d, s.o, d, m->residual, L->post_norm, s.x, d, B, d, m->eps,
+                        nthreads);
+        if (project(&L->gate_up, s.x, d, B, s.gu, work, nthreads)) return (int)li + 1;
+        m->silu_mul(s.gu, 2 * inter, s.mlp, inter, B, inter, nthreads);
+        if (project(&L->down, s.mlp, inter, B, s.o, work, nthreads)) return (int)li + 1;
+        m->add_rms_norm(h, d, s.o, d, m->residual, L->next_norm, s.x, d, B, d, m->eps,
+                        nthreads);
     }
     return 0;
 }

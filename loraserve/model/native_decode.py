@@ -9,7 +9,8 @@ any adapter, a layer with a norm, window or cap it does not call) take the Pytho
 
 `build` returns None for a model it cannot run (a family with extra norms, a bias, experts,
 bf16 or oneDNN weights, an activation other than SiLU, no C compiler); `LORASERVE_NATIVE_DECODE=0`
-turns it off.
+turns it off. A step of few rows over quantized panels runs in one OpenMP team
+(native_decode.c says why); `LORASERVE_NATIVE_TEAM=0` gives each kernel its own instead.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
 class _Projection(ctypes.Structure):
-    _fields_ = [("fn", _ptr), ("kind", _i64), ("n", _i64), ("k", _i64), ("w", _ptr),
-                ("w2", _ptr), ("w3", _ptr)]
+    _fields_ = [("fn", _ptr), ("team_fn", _ptr), ("kind", _i64), ("n", _i64), ("k", _i64),
+                ("w", _ptr), ("w2", _ptr), ("w3", _ptr)]
 
 
 class _Layer(ctypes.Structure):
@@ -48,10 +49,10 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = [("rms_norm", _ptr), ("add_rms_norm", _ptr), ("silu_mul", _ptr), ("rope", _ptr),
-                ("attention", _ptr), ("d", _i64), ("nh", _i64), ("kvh", _i64), ("hd", _i64),
-                ("inter", _i64), ("block_size", _i64), ("eps", _f32), ("residual", _f32),
-                ("scale", _f32), ("softcap", _f32), ("first_norm", _ptr), ("cos", _ptr),
-                ("sin", _ptr)]
+                ("attention", _ptr), ("attention_team", _ptr), ("d", _i64), ("nh", _i64),
+                ("kvh", _i64), ("hd", _i64), ("inter", _i64), ("block_size", _i64),
+                ("eps", _f32), ("residual", _f32), ("scale", _f32), ("softcap", _f32),
+                ("first_norm", _ptr), ("cos", _ptr), ("sin", _ptr)]
 
 
 def _configure(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -61,6 +62,9 @@ def _configure(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.native_decode.restype = ctypes.c_int
     lib.native_decode_scratch_floats.argtypes = [ctypes.POINTER(_Model), _i64]
     lib.native_decode_scratch_floats.restype = _i64
+    lib.native_decode_in_team.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Layer), _i64,
+                                          _i64, ctypes.c_int]
+    lib.native_decode_in_team.restype = ctypes.c_int
     return lib
 
 
@@ -75,20 +79,21 @@ def _projection(linear) -> tuple[_Projection, object] | None:
     if type(linear) is Linear:
         if linear.panels is None:
             return None
-        return (_Projection(_address(gemm_library().gemm_packed), F32_PANELS,
+        return (_Projection(_address(gemm_library().gemm_packed), None, F32_PANELS,
                             linear.out_features, linear.in_features, linear.panels.data_ptr(),
                             None, None), None)
     if type(linear) is not QuantLinear:
         return None
     if linear.panels_q is not None:
         p, lib = linear.panels_q, linear.panel_library
-        return (_Projection(_address(lib.qpanel_gemm), PANEL_KINDS[p.kind], p.out_features,
+        return (_Projection(_address(lib.qpanel_gemm), _address(lib.qpanel_gemm_team),
+                            PANEL_KINDS[p.kind], p.out_features,
                             p.in_features, p.w.data_ptr(), p.d.data_ptr(),
                             0 if p.m is None else p.m.data_ptr()), lib.qpanel_work_bytes)
     lib, q = load_qgemm(), linear.qweight
     if lib is None:
         return None
-    return (_Projection(_address(lib.qgemm), q.kind, q.out_features, q.in_features,
+    return (_Projection(_address(lib.qgemm), None, q.kind, q.out_features, q.in_features,
                         q.qs.data_ptr(), q.d.data_ptr(), 0 if q.m is None else q.m.data_ptr()),
             lib.qgemm_work_bytes)
 
@@ -104,6 +109,18 @@ class NativeDecode:
         self.k_max = max(model_desc.inter, model_desc.nh * model_desc.hd, model_desc.d)
         self._keep = keep  # the tensors whose addresses the descriptions hold
         self._caches: list | None = None
+        self._attention_team = model_desc.attention_team
+
+    def use_team(self, enabled: bool) -> None:
+        """Whether steps that fit may run in one OpenMP team (native_decode.c says when); off,
+        every kernel starts its own (the two compute the same bits: tests and A/Bs)."""
+        self.model_desc.attention_team = self._attention_team if enabled else None
+
+    def in_team(self, rows: int) -> bool:
+        """Whether a step of `rows` decode rows runs in one team on torch's thread count."""
+        return bool(self.lib.native_decode_in_team(self.model_desc, self.layers,
+                                                   len(self.layers), rows,
+                                                   torch.get_num_threads()))
 
     @classmethod
     def build(cls, model) -> NativeDecode | None:
@@ -137,12 +154,17 @@ class NativeDecode:
         first = model.layers[0].input_norm.contiguous()
         keep += [first, rope.cos, rope.sin]
         desc = _Model(_address(ew.rms_norm), _address(ew.add_rms_norm), _address(ew.silu_mul),
-                      _address(ew.rope), _address(attn.paged_decode_attention), c.hidden_size,
+                      _address(ew.rope), _address(attn.paged_decode_attention),
+                      _address(attn.paged_decode_attention_team), c.hidden_size,
                       c.num_attention_heads, c.num_key_value_heads, c.head_dim, model.inter,
                       0, c.rms_norm_eps, c.residual_multiplier, model.scale, c.attn_softcap or 0.0,
                       first.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr())
         lib = load_library_once(SOURCE, [], "the native decode loop", _configure)
-        return None if lib is None else cls(lib, desc, layers, list(work_bytes.values()), keep)
+        if lib is None:
+            return None
+        native = cls(lib, desc, layers, list(work_bytes.values()), keep)
+        native.use_team(os.environ.get("LORASERVE_NATIVE_TEAM", "1") != "0")
+        return native
 
     def fits(self, attention, meta, positions: torch.Tensor, max_positions: int) -> bool:
         """Whether this step's attention metadata is one the C loop runs: decodes only, on

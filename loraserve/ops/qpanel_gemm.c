@@ -116,6 +116,47 @@ static void tile_any(int kind, int mr, uint8_t *const *a, int64_t K, const uint8
 #undef TILE_FOR
 #undef CAP
 
+/* The layout of one call's operands, shared by the two entry points below. */
+typedef struct {
+    int kind;
+    const float *x;
+    int64_t ldx, M, K, N, ldy, rb, wpanel, spanel, panels;
+    const uint8_t *wp;
+    const void *d, *m;
+    float *y;
+    uint8_t *act;
+} qp_call_t;
+
+static int qp_call(qp_call_t *c, int kind, const float *x, int64_t ldx, int64_t M, int64_t K,
+                   const uint8_t *wp, const void *d, const void *m, int64_t N, float *y,
+                   int64_t ldy, void *work) {
+    if (kind < QP_Q8_ROW || kind > QP_Q4_AFF32 || K % 32 || M < 0 || N < 0) return -1;
+    *c = (qp_call_t){.kind = kind, .x = x, .ldx = ldx, .M = M, .K = K, .N = N, .ldy = ldy,
+                     .rb = act_bytes(K), .panels = (N + PANEL - 1) / PANEL, .wp = wp, .d = d,
+                     .m = m, .y = y, .act = (uint8_t *)work};
+    c->wpanel = FOUR_BIT(kind) ? PANEL * K / 2 : PANEL * K;
+    /* bytes of a panel's scales (and of its offsets) */
+    c->spanel = kind == QP_Q8_ROW ? PANEL * 4
+                                  : PANEL * (K / 32) * (kind == QP_Q4_AFF32 ? 4 : 2);
+    return 0;
+}
+
+/* every row of x against panel p */
+static void qp_panel(const qp_call_t *c, int64_t p) {
+    const uint8_t *w = c->wp + p * c->wpanel;
+    const void *dp = (const char *)c->d + p * c->spanel;
+    const void *mp = AFFINE(c->kind) ? (const char *)c->m + p * c->spanel : NULL;
+    const int64_t n0 = p * PANEL, nv = c->N - n0 < PANEL ? c->N - n0 : PANEL;
+    for (int64_t r0 = 0; r0 < c->M; r0 += ROWS) {
+        const int mr = c->M - r0 < ROWS ? (int)(c->M - r0) : ROWS;
+        uint8_t *a[ROWS];
+        float out[ROWS][PANEL];
+        for (int i = 0; i < mr; i++) a[i] = c->act + (r0 + i) * c->rb;
+        tile_any(c->kind, mr, a, c->K, w, dp, mp, out);
+        for (int i = 0; i < mr; i++) memcpy(c->y + (r0 + i) * c->ldy + n0, out[i], nv * 4);
+    }
+}
+
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T; K a multiple of 32; `d` the
  * scales (row scales for QP_Q8_ROW), `m` the affine kinds' offsets (else unused); work of
  * qpanel_work_bytes(M, K). Returns 0, or -1 for an unknown kind or a K that is not a multiple
@@ -123,31 +164,31 @@ static void tile_any(int kind, int mr, uint8_t *const *a, int64_t K, const uint8
 int qpanel_gemm(int kind, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wp,
                 const void *d, const void *m, int64_t N, float *y, int64_t ldy, void *work,
                 int nthreads) {
-    if (kind < QP_Q8_ROW || kind > QP_Q4_AFF32 || K % 32 || M < 0 || N < 0) return -1;
-    uint8_t *act = (uint8_t *)work;
-    const int64_t rb = act_bytes(K), panels = (N + PANEL - 1) / PANEL;
-    const int64_t wpanel = FOUR_BIT(kind) ? PANEL * K / 2 : PANEL * K;
-    /* bytes of a panel's scales (and of its offsets) */
-    const int64_t spanel = kind == QP_Q8_ROW ? PANEL * 4
-                                             : PANEL * (K / 32) * (kind == QP_Q4_AFF32 ? 4 : 2);
+    qp_call_t c;
+    if (qp_call(&c, kind, x, ldx, M, K, wp, d, m, N, y, ldy, work)) return -1;
 #pragma omp parallel for num_threads(nthreads) schedule(static) \
     if (M * K >= QPANEL_QUANTIZE_PARALLEL_MIN)
-    for (int64_t r = 0; r < M; r++) quantize_row(x + r * ldx, K, act + r * rb);
+    for (int64_t r = 0; r < M; r++) quantize_row(x + r * ldx, K, c.act + r * c.rb);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (N * K >= QPANEL_PARALLEL_MIN)
-    for (int64_t p = 0; p < panels; p++) {
-        const uint8_t *w = wp + p * wpanel;
-        const void *dp = (const char *)d + p * spanel;
-        const void *mp = AFFINE(kind) ? (const char *)m + p * spanel : NULL;
-        const int64_t n0 = p * PANEL, nv = N - n0 < PANEL ? N - n0 : PANEL;
-        for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
-            const int mr = M - r0 < ROWS ? (int)(M - r0) : ROWS;
-            uint8_t *a[ROWS];
-            float out[ROWS][PANEL];
-            for (int i = 0; i < mr; i++) a[i] = act + (r0 + i) * rb;
-            tile_any(kind, mr, a, K, w, dp, mp, out);
-            for (int i = 0; i < mr; i++) memcpy(y + (r0 + i) * ldy + n0, out[i], nv * 4);
-        }
-    }
+    for (int64_t p = 0; p < c.panels; p++) qp_panel(&c, p);
+    return 0;
+}
+
+/* qpanel_gemm for a caller whose every thread of one OpenMP team calls it with the same
+ * arguments (model/native_decode.c's layer loop runs a whole step in one team): the loops
+ * below are orphaned work-sharing loops, shared out over that team, each ending in its
+ * barrier, so no team is started per call. Each panel and row is computed by the same code
+ * as in qpanel_gemm, so the two give the same bits. `nthreads` is the team's (unused). */
+int qpanel_gemm_team(int kind, const float *x, int64_t ldx, int64_t M, int64_t K,
+                     const uint8_t *wp, const void *d, const void *m, int64_t N, float *y,
+                     int64_t ldy, void *work, int nthreads) {
+    (void)nthreads;
+    qp_call_t c;
+    if (qp_call(&c, kind, x, ldx, M, K, wp, d, m, N, y, ldy, work)) return -1;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < M; r++) quantize_row(x + r * ldx, K, c.act + r * c.rb);
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < c.panels; p++) qp_panel(&c, p);
     return 0;
 }
 #else
@@ -159,5 +200,10 @@ int qpanel_gemm(int kind, const float *x, int64_t ldx, int64_t M, int64_t K, con
     (void)kind; (void)x; (void)ldx; (void)M; (void)K; (void)wp; (void)d; (void)m;
     (void)N; (void)y; (void)ldy; (void)work; (void)nthreads;
     return -1;
+}
+int qpanel_gemm_team(int kind, const float *x, int64_t ldx, int64_t M, int64_t K,
+                     const uint8_t *wp, const void *d, const void *m, int64_t N, float *y,
+                     int64_t ldy, void *work, int nthreads) {
+    return qpanel_gemm(kind, x, ldx, M, K, wp, d, m, N, y, ldy, work, nthreads);
 }
 #endif

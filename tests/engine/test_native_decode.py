@@ -5,6 +5,8 @@ one C call over float32 panels or quantized weights.
   a batch decoded with it and without it are equal), with and without sliding windows;
 - it runs exactly on the steps it fits (decodes only, no adapter) and leaves the others to
   the Python loop;
+- a step of few rows over quantized panels runs in one OpenMP team, and gives the same bits
+  as with a team per kernel;
 - models it cannot run (oneDNN's float weights, extra norms) do not get it;
 - the same holds on an AVX2 build of every kernel (the quantized GEMM is then the dot-order
   one), in a process of its own (a process builds its kernels for one ISA).
@@ -18,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from adapter_factory import build_peft_model
 from model_factory import make_tiny_family, make_tiny_llama
 
@@ -74,6 +77,39 @@ def test_native_loop_equals_the_python_loop(llama, scheme, monkeypatch):
     assert calls == [3] * 11
     model.native = None
     assert _generate(llm) == native
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_one_team_per_step_equals_a_team_per_kernel(llama, scheme):
+    hf, _ = llama
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a team needs two threads (CI hosts have two cores)
+    try:
+        llm = LLM(str(hf), quantization=scheme, enable_prefix_caching=False)
+        native = llm.engine.model.native
+        assert native.in_team(3) and native.in_team(1)
+        in_team = _generate(llm)
+        native.use_team(False)
+        assert not native.in_team(3)
+        assert _generate(llm) == in_team
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_float32_and_wide_steps_take_a_team_per_kernel(llama):
+    hf, _ = llama
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        native = LLM(str(hf), enable_prefix_caching=False).engine.model.native
+        assert not native.in_team(1)  # float32 panels: the GEMM has no team entry point
+        native = LLM(str(hf), quantization="int8", enable_prefix_caching=False).engine.model.native
+        # 256 MLP columns a row: from 256 rows the element-wise kernels share out their rows
+        assert native.in_team(255) and not native.in_team(256)
+        torch.set_num_threads(1)
+        assert not native.in_team(1)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_adapter_steps_take_the_python_loop(llama, monkeypatch):

@@ -184,57 +184,107 @@ static inline __attribute__((always_inline)) void attend_avx2(
 }
 #endif
 
+typedef struct {
+    const float *q, *k_cache, *v_cache;
+    const int64_t *rows, *tables, *lens;
+    float *out;
+    int64_t q_stride, out_stride, table_stride, n, nh, kvh, hd, block_size, window;
+    int64_t max_len, H, items;
+    float scale, softcap;
+} attn_call_t;
+
+static attn_call_t attn_call(const float *q, int64_t q_stride, const int64_t *rows, float *out,
+                             int64_t out_stride, const float *k_cache, const float *v_cache,
+                             const int64_t *tables, int64_t table_stride, const int64_t *lens,
+                             int64_t n, int64_t nh, int64_t kvh, int64_t hd,
+                             int64_t block_size, float scale, int64_t window, float softcap,
+                             int nthreads) {
+    int64_t max_len = 0;
+    for (int64_t i = 0; i < n; i++) max_len = lens[i] > max_len ? lens[i] : max_len;
+    if (window > 0 && window < max_len) max_len = window;
+    /* A work item takes all kv heads of a sequence when there are enough sequences to share
+     * out: a token's row of every head is then read whole (the hardware fetches neighbouring
+     * lines anyway; reading one head's slice per pass fetched the row kvh times). */
+    const int64_t H = n >= ATTN_SEQS_PER_THREAD * (int64_t)nthreads ? kvh : 1;
+    return (attn_call_t){.q = q, .k_cache = k_cache, .v_cache = v_cache, .rows = rows,
+                         .tables = tables, .lens = lens, .out = out, .q_stride = q_stride,
+                         .out_stride = out_stride, .table_stride = table_stride, .n = n,
+                         .nh = nh, .kvh = kvh, .hd = hd, .block_size = block_size,
+                         .window = window, .max_len = max_len, .H = H, .items = n * (kvh / H),
+                         .scale = scale, .softcap = softcap};
+}
+
+/* One thread's part of the work items: inside a parallel region, an orphaned work-sharing
+ * loop over the calling team (ending in its barrier); outside one, all of them. Sets *failed
+ * where its scratch cannot be had. */
+static void attend_items(const attn_call_t *c, int *failed) {
+    const int64_t G = c->nh / c->kvh, tok_stride = c->kvh * c->hd, H = c->H, hd = c->hd;
+    float *p = malloc(sizeof(float) * (size_t)(c->max_len * G * H)); /* [H * G, window] */
+    if (!p) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < c->items; w++) {
+        if (!p) continue;
+        const int64_t i = w / (c->kvh / H), h = w % (c->kvh / H) * H, L = c->lens[i];
+        const int64_t t_begin = c->window > 0 && L > c->window ? L - c->window : 0;
+        const float *qh = c->q + c->rows[i] * c->q_stride + h * G * hd; /* H * G query heads */
+        float *o = c->out + c->rows[i] * c->out_stride + h * G * hd;
+        const float *kb = c->k_cache + h * hd, *vb = c->v_cache + h * hd;
+        const int64_t *table = c->tables + i * c->table_stride, bs = c->block_size;
+#ifdef HAVE_AVX2
+        if (hd == 64)
+            attend_avx2(qh, o, kb, vb, table, t_begin, L, H, G, 64, tok_stride, bs, c->scale,
+                        c->softcap, p);
+        else if (hd == 128)
+            attend_avx2(qh, o, kb, vb, table, t_begin, L, H, G, 128, tok_stride, bs, c->scale,
+                        c->softcap, p);
+        else if (hd % 8 == 0)
+            attend_avx2(qh, o, kb, vb, table, t_begin, L, H, G, hd, tok_stride, bs, c->scale,
+                        c->softcap, p);
+        else
+#endif
+            for (int64_t j = 0; j < H; j++)
+                attend_scalar(qh + j * G * hd, o + j * G * hd, kb + j * hd, vb + j * hd, table,
+                              t_begin, L, G, hd, tok_stride, bs, c->scale, c->softcap, p);
+    }
+    free(p);
+}
+
 int paged_decode_attention(const float *q, int64_t q_stride, const int64_t *rows, float *out,
                            int64_t out_stride, const float *k_cache, const float *v_cache,
                            const int64_t *tables, int64_t table_stride, const int64_t *lens,
                            int64_t n, int64_t nh, int64_t kvh, int64_t hd, int64_t block_size,
                            float scale, int64_t window, float softcap, int nthreads) {
-    const int64_t G = nh / kvh, tok_stride = kvh * hd;
-    int64_t max_len = 0;
-    for (int64_t i = 0; i < n; i++) max_len = lens[i] > max_len ? lens[i] : max_len;
-    if (window > 0 && window < max_len) max_len = window;
+    const attn_call_t c = attn_call(q, q_stride, rows, out, out_stride, k_cache, v_cache,
+                                    tables, table_stride, lens, n, nh, kvh, hd, block_size,
+                                    scale, window, softcap, nthreads);
     int failed = 0;
     /* A batch-1 step's few hundred dot products are not worth waking a thread team for. */
-    const int parallel = n * kvh * max_len * hd >= ATTN_PARALLEL_MIN;
-    /* A work item takes all kv heads of a sequence when there are enough sequences to share
-     * out: a token's row of every head is then read whole (the hardware fetches neighbouring
-     * lines anyway; reading one head's slice per pass fetched the row kvh times). */
-    const int64_t H = n >= ATTN_SEQS_PER_THREAD * (int64_t)nthreads ? kvh : 1;
-    const int64_t items = n * (kvh / H);
+    const int parallel = n * kvh * c.max_len * hd >= ATTN_PARALLEL_MIN;
 #pragma omp parallel num_threads(nthreads) if (parallel)
-    {
-        float *p = malloc(sizeof(float) * (size_t)(max_len * G * H)); /* [H * G, window] */
-        if (!p) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t w = 0; w < items; w++) {
-            if (!p) continue;
-            const int64_t i = w / (kvh / H), h = w % (kvh / H) * H, L = lens[i];
-            const int64_t t_begin = window > 0 && L > window ? L - window : 0;
-            const float *qh = q + rows[i] * q_stride + h * G * hd; /* its H * G query heads */
-            float *o = out + rows[i] * out_stride + h * G * hd;
-            const float *kb = k_cache + h * hd, *vb = v_cache + h * hd;
-            const int64_t *table = tables + i * table_stride;
-#ifdef HAVE_AVX2
-            if (hd == 64)
-                attend_avx2(qh, o, kb, vb, table, t_begin, L, H, G, 64, tok_stride, block_size,
-                            scale, softcap, p);
-            else if (hd == 128)
-                attend_avx2(qh, o, kb, vb, table, t_begin, L, H, G, 128, tok_stride,
-                            block_size, scale, softcap, p);
-            else if (hd % 8 == 0)
-                attend_avx2(qh, o, kb, vb, table, t_begin, L, H, G, hd, tok_stride, block_size,
-                            scale, softcap, p);
-            else
-#endif
-                for (int64_t j = 0; j < H; j++)
-                    attend_scalar(qh + j * G * hd, o + j * G * hd, kb + j * hd, vb + j * hd,
-                                  table, t_begin, L, G, hd, tok_stride, block_size, scale,
-                                  softcap, p);
-        }
-        free(p);
-    }
+    attend_items(&c, &failed);
     return failed ? -1 : 0;
+}
+
+/* paged_decode_attention for a caller whose every thread of one OpenMP team calls it with
+ * the same arguments (model/native_decode.c): the work items are shared out over that team,
+ * and every thread returns after all are done. `failed` is one int shared by the team,
+ * zero before the call; -1 where any thread's scratch could not be had. */
+int paged_decode_attention_team(const float *q, int64_t q_stride, const int64_t *rows,
+                                float *out, int64_t out_stride, const float *k_cache,
+                                const float *v_cache, const int64_t *tables,
+                                int64_t table_stride, const int64_t *lens, int64_t n,
+                                int64_t nh, int64_t kvh, int64_t hd, int64_t block_size,
+                                float scale, int64_t window, float softcap, int nthreads,
+                                int *failed) {
+    const attn_call_t c = attn_call(q, q_stride, rows, out, out_stride, k_cache, v_cache,
+                                    tables, table_stride, lens, n, nh, kvh, hd, block_size,
+                                    scale, window, softcap, nthreads);
+    attend_items(&c, failed);
+    int any;
+#pragma omp atomic read
+    any = *failed;
+    return any ? -1 : 0;
 }
