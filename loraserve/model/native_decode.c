@@ -85,8 +85,12 @@ int64_t native_decode_scratch_floats(const model_t *m, int64_t B) {
     return B * (m->d + qkv + m->nh * m->hd + m->d + 3 * m->inter);
 }
 
-static int project(const projection_t *p, const float *x, int64_t ldx, int64_t B, float *y,
-                   void *work, int nthreads) {
+/* in_team: called by every thread of one team (the projection's team_fn, team_fits says) */
+static int project(const projection_t *p, int in_team, const float *x, int64_t ldx, int64_t B,
+                   float *y, void *work, int nthreads) {
+    if (in_team)
+        return p->team_fn((int)p->kind, x, ldx, B, p->k, p->w, p->w2, p->w3, p->n, y, p->n,
+                          work, nthreads);
     if (p->kind == KIND_F32_PANELS) {
         ((gemm_f32_fn)(void *)p->fn)(x, ldx, (const float *)p->w, B, p->n, p->k, y, p->n,
                                      nthreads);
@@ -102,7 +106,7 @@ static int project(const projection_t *p, const float *x, int64_t ldx, int64_t B
  * microseconds each, and starting and joining a team per kernel (five a layer) cost a
  * noticeable part of them; a barrier between two threads of a running team costs less. Taken
  * only where every element-wise kernel runs on one thread anyway (few rows), so each kernel
- * computes what it computes in the loop below, bit for bit. */
+ * computes what it computes with a team of its own, bit for bit. */
 static int team_fits(const model_t *m, const layer_t *layers, int64_t n_layers, int64_t B) {
     if (!m->attention_team) return 0;
     const int64_t widest = m->inter > (m->nh + m->kvh) * m->hd ? m->inter
@@ -121,12 +125,6 @@ static int team_fits(const model_t *m, const layer_t *layers, int64_t n_layers, 
 int native_decode_in_team(const model_t *m, const layer_t *layers, int64_t n_layers, int64_t B,
                           int nthreads) {
     return nthreads > 1 && team_fits(m, layers, n_layers, B);
-}
-
-static int project_team(const projection_t *p, const float *x, int64_t ldx, int64_t B, float *y,
-                        void *work, int nthreads) {
-    return p->team_fn((int)p->kind, x, ldx, B, p->k, p->w, p->w2, p->w3, p->n, y, p->n, work,
-                      nthreads);
 }
 
 /* Scratch row pointers of one step. */
@@ -157,36 +155,47 @@ static void write_kv(const layer_t *L, const step_buffers_t *s, int64_t B, const
     }
 }
 
-/* The team's layer loop (every thread of the team calls it). Returns as native_decode. */
-static int layers_in_team(const model_t *m, const layer_t *layers, int64_t n_layers, float *h,
-                          int64_t B, const int64_t *positions, const int64_t *slots,
-                          const int64_t *rows, const int64_t *tables, int64_t table_stride,
-                          const int64_t *lens, const step_buffers_t *s, void *work,
-                          int nthreads, int *attention_failed) {
+/* The layer loop, on one thread or by every thread of one team (in_team). The element-wise
+ * kernels and the K/V write are `omp single`: on one thread of a team; outside a parallel
+ * region the calling thread is a team of one and runs them as they stand. Returns as
+ * native_decode. */
+static int run_layers(const model_t *m, const layer_t *layers, int64_t n_layers, float *h,
+                      int64_t B, const int64_t *positions, const int64_t *slots,
+                      const int64_t *rows, const int64_t *tables, int64_t table_stride,
+                      const int64_t *lens, const step_buffers_t *s, void *work, int nthreads,
+                      int in_team, int *attention_failed) {
     const int64_t d = m->d, nh = m->nh, kvh = m->kvh, hd = m->hd, inter = m->inter;
 #pragma omp single
     m->rms_norm(h, d, m->first_norm, s->x, d, B, d, m->eps, nthreads);
     for (int64_t li = 0; li < n_layers; li++) {
         const layer_t *L = &layers[li];
         /* a kernel's refusal depends on its arguments alone: every thread sees the same */
-        if (project_team(&L->qkv, s->x, d, B, s->qkv, work, nthreads)) return (int)li + 1;
+        if (project(&L->qkv, in_team, s->x, d, B, s->qkv, work, nthreads)) return (int)li + 1;
 #pragma omp single
         {
             m->rope(s->qkv, s->ld_qkv, B, nh + kvh, hd, positions, m->cos, m->sin, nthreads);
             write_kv(L, s, B, slots);
         }
-        if (m->attention_team(s->qkv, s->ld_qkv, rows, s->a, s->q_size, L->k_cache, L->v_cache,
-                              tables, table_stride, lens, B, nh, kvh, hd, m->block_size,
-                              m->scale, L->window, m->softcap, nthreads, attention_failed))
+        const int refused =
+            in_team ? m->attention_team(s->qkv, s->ld_qkv, rows, s->a, s->q_size, L->k_cache,
+                                        L->v_cache, tables, table_stride, lens, B, nh, kvh, hd,
+                                        m->block_size, m->scale, L->window, m->softcap,
+                                        nthreads, attention_failed)
+                    : m->attention(s->qkv, s->ld_qkv, rows, s->a, s->q_size, L->k_cache,
+                                   L->v_cache, tables, table_stride, lens, B, nh, kvh, hd,
+                                   m->block_size, m->scale, L->window, m->softcap, nthreads);
+        if (refused) return (int)li + 1;
+        if (project(&L->o, in_team, s->a, s->q_size, B, s->o, work, nthreads))
             return (int)li + 1;
-        if (project_team(&L->o, s->a, s->q_size, B, s->o, work, nthreads)) return (int)li + 1;
 #pragma omp single
         m->add_rms_norm(h, d, s->o, d, m->residual, L->post_norm, s->x, d, B, d, m->eps,
                         nthreads);
-        if (project_team(&L->gate_up, s->x, d, B, s->gu, work, nthreads)) return (int)li + 1;
+        if (project(&L->gate_up, in_team, s->x, d, B, s->gu, work, nthreads))
+            return (int)li + 1;
 #pragma omp single
         m->silu_mul(s->gu, 2 * inter, s->mlp, inter, B, inter, nthreads);
-        if (project_team(&L->down, s->mlp, inter, B, s->o, work, nthreads)) return (int)li + 1;
+        if (project(&L->down, in_team, s->mlp, inter, B, s->o, work, nthreads))
+            return (int)li + 1;
 #pragma omp single
         m->add_rms_norm(h, d, s->o, d, m->residual, L->next_norm, s->x, d, B, d, m->eps,
                         nthreads);
@@ -200,38 +209,19 @@ int native_decode(const model_t *m, const layer_t *layers, int64_t n_layers, flo
                   int64_t B, const int64_t *positions, const int64_t *slots,
                   const int64_t *rows, const int64_t *tables, int64_t table_stride,
                   const int64_t *lens, float *scratch, void *work, int nthreads) {
-    const int64_t d = m->d, nh = m->nh, kvh = m->kvh, hd = m->hd, inter = m->inter;
     const step_buffers_t s = buffers(m, B, scratch);
-    if (native_decode_in_team(m, layers, n_layers, B, nthreads)) {
-        int rc = 0, attention_failed = 0;
+    int attention_failed = 0;
+    if (!native_decode_in_team(m, layers, n_layers, B, nthreads))
+        return run_layers(m, layers, n_layers, h, B, positions, slots, rows, tables,
+                          table_stride, lens, &s, work, nthreads, 0, &attention_failed);
+    int rc = 0;
 #pragma omp parallel num_threads(nthreads)
-        {
-            const int mine = layers_in_team(m, layers, n_layers, h, B, positions, slots, rows,
-                                            tables, table_stride, lens, &s, work, nthreads,
-                                            &attention_failed);
+    {
+        const int mine = run_layers(m, layers, n_layers, h, B, positions, slots, rows,
+                                    tables, table_stride, lens, &s, work, nthreads, 1,
+                                    &attention_failed);
 #pragma omp master
-            rc = mine;
-        }
-        return rc;
+        rc = mine;
     }
-    m->rms_norm(h, d, m->first_norm, s.x, d, B, d, m->eps, nthreads);
-    for (int64_t li = 0; li < n_layers; li++) {
-        const layer_t *L = &layers[li];
-        if (project(&L->qkv, s.x, d, B, s.qkv, work, nthreads)) return (int)li + 1;
-        m->rope(s.qkv, s.ld_qkv, B, nh + kvh, hd, positions, m->cos, m->sin, nthreads);
-        write_kv(L, &s, B, slots);
-        if (m->attention(s.qkv, s.ld_qkv, rows, s.a, s.q_size, L->k_cache, L->v_cache, tables,
-                         table_stride, lens, B, nh, kvh, hd, m->block_size, m->scale,
-                         L->window, m->softcap, nthreads))
-            return (int)li + 1;
-        if (project(&L->o, s.a, s.q_size, B, s.o, work, nthreads)) return (int)li + 1;
-        m->add_rms_norm(h, d, s.o, d, m->residual, L->post_norm, s.x, d, B, d, m->eps,
-                        nthreads);
-        if (project(&L->gate_up, s.x, d, B, s.gu, work, nthreads)) return (int)li + 1;
-        m->silu_mul(s.gu, 2 * inter, s.mlp, inter, B, inter, nthreads);
-        if (project(&L->down, s.mlp, inter, B, s.o, work, nthreads)) return (int)li + 1;
-        m->add_rms_norm(h, d, s.o, d, m->residual, L->next_norm, s.x, d, B, d, m->eps,
-                        nthreads);
-    }
-    return 0;
+    return rc;
 }
