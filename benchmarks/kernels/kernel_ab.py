@@ -13,6 +13,7 @@ is the median over rounds of the per-round difference or ratio.
     $AB attention --a $OLD/loraserve/model/attention/paged_decode.c
     $AB elementwise                                            # ours against torch's ops
     $AB qpanel --b-flags=-DQPANEL_FETCH_AHEAD_4BIT=0 [--model smollm2-135m]
+    $AB gemm --b-flags=-DGEMM_NEXT_PANEL_HINT=PF_L1 [--rows 8,32,64,256]
 
 - `lora`: the separate LoRA op (lora/sgmv_cpu.c) of one decode step and one prefill step, every
   layer and group, 16 adapters of ranks 8-64 on all seven modules; `--a-tile/--b-tile` choose
@@ -27,6 +28,8 @@ is the median over rounds of the per-round difference or ratio.
   in the engine: the offline batch, and decode at batch 64 and 1; greedy tokens must agree.
 - `qpanel`: the quantized panel GEMM (ops/qpanel_gemm.c) over a model's projections at batch
   1, int8 and int4, against the copy rate measured between rounds.
+- `gemm`: the float32 panel GEMM (ops/gemm_cpu.c) over a decode step's weights and lm_head at
+  a few batch sizes, streamed from memory as in serving; GFLOP/s per side.
 
 Imitated AVX2: prefix with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 MKL_ENABLE_INSTRUCTIONS=AVX2 LORASERVE_CPU_ARCH=x86-64-v3.
@@ -82,13 +85,15 @@ def main(argv: list[str] | None = None) -> None:
     import ab_attention
     import ab_decode_op
     import ab_elementwise
+    import ab_gemm
     import ab_lora
     import ab_qpanel
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="kernel", required=True)
     kernels = {"lora": ab_lora, "decode-op": ab_decode_op, "attention": ab_attention,
-               "elementwise": ab_elementwise, "qpanel": ab_qpanel}
+               "elementwise": ab_elementwise, "qpanel": ab_qpanel,
+               "gemm": ab_gemm}
     for name, module in kernels.items():
         module.add_args(sub.add_parser(name, help=module.__doc__.splitlines()[0]))
     args = ap.parse_args(argv)
