@@ -38,12 +38,12 @@
 #define GEMM_PARALLEL_MIN (1 << 18)
 
 /* The next panel (pair) of a GEMM, fetched one line per k step by a column's first row tile
- * when it has more than one: into L2, not L1. The first tile's K loop is short next to a
- * memory read, and L1 can wait on only a few lines at once: fetched into L1 the next panel
- * was still arriving when its own first tile began, and it pushed out of L1 the panel the
- * other tiles were reading. With weights coming from memory, as in serving, L2 is faster at
- * every batch of two or more tiles, on both ISAs (kernel_ab.py gemm; a GEMM timed on one
- * weight over and over reads it from cache and does not show it) */
+ * when it has more than one: into L2, not L1. With weights coming from memory, as in serving,
+ * L2 is as fast or faster at every batch of two or more row tiles, on both ISAs
+ * (kernel_ab.py gemm; a GEMM timed on one weight over and over reads it from cache and does
+ * not show it). The likely reason: the first tile's K loop is short next to a memory read and
+ * L1 tracks only a few misses at once, so into L1 the next panel was still arriving when its
+ * tiles began, and it pushed out of L1 the panel the other tiles were still reading. */
 #ifndef GEMM_NEXT_PANEL_HINT
 #define GEMM_NEXT_PANEL_HINT PF_L2
 #endif
