@@ -5,24 +5,17 @@
 #include <stdint.h>
 #include <omp.h>
 
+/* twelve FMAs into registers 0..11 of the prefix R's width ("z": zmm, "y": ymm) */
+#define FMA(R, n) "vfmadd231ps %%" R "mm14, %%" R "mm15, %%" R "mm" #n "\n"
+#define FMA12_OF(R)                                                                    \
+    FMA(R, 0) FMA(R, 1) FMA(R, 2) FMA(R, 3) FMA(R, 4) FMA(R, 5) FMA(R, 6) FMA(R, 7)   \
+    FMA(R, 8) FMA(R, 9) FMA(R, 10) FMA(R, 11)
 #if defined(__AVX512F__)
 #define LANES 16
-#define FMA12                                                                          \
-    "vfmadd231ps %%zmm14, %%zmm15, %%zmm0\n vfmadd231ps %%zmm14, %%zmm15, %%zmm1\n"    \
-    "vfmadd231ps %%zmm14, %%zmm15, %%zmm2\n vfmadd231ps %%zmm14, %%zmm15, %%zmm3\n"    \
-    "vfmadd231ps %%zmm14, %%zmm15, %%zmm4\n vfmadd231ps %%zmm14, %%zmm15, %%zmm5\n"    \
-    "vfmadd231ps %%zmm14, %%zmm15, %%zmm6\n vfmadd231ps %%zmm14, %%zmm15, %%zmm7\n"    \
-    "vfmadd231ps %%zmm14, %%zmm15, %%zmm8\n vfmadd231ps %%zmm14, %%zmm15, %%zmm9\n"    \
-    "vfmadd231ps %%zmm14, %%zmm15, %%zmm10\n vfmadd231ps %%zmm14, %%zmm15, %%zmm11\n"
+#define FMA12 FMA12_OF("z")
 #elif defined(__FMA__)
 #define LANES 8
-#define FMA12                                                                          \
-    "vfmadd231ps %%ymm14, %%ymm15, %%ymm0\n vfmadd231ps %%ymm14, %%ymm15, %%ymm1\n"    \
-    "vfmadd231ps %%ymm14, %%ymm15, %%ymm2\n vfmadd231ps %%ymm14, %%ymm15, %%ymm3\n"    \
-    "vfmadd231ps %%ymm14, %%ymm15, %%ymm4\n vfmadd231ps %%ymm14, %%ymm15, %%ymm5\n"    \
-    "vfmadd231ps %%ymm14, %%ymm15, %%ymm6\n vfmadd231ps %%ymm14, %%ymm15, %%ymm7\n"    \
-    "vfmadd231ps %%ymm14, %%ymm15, %%ymm8\n vfmadd231ps %%ymm14, %%ymm15, %%ymm9\n"    \
-    "vfmadd231ps %%ymm14, %%ymm15, %%ymm10\n vfmadd231ps %%ymm14, %%ymm15, %%ymm11\n"
+#define FMA12 FMA12_OF("y")
 #endif
 
 double fma_peak_gflops(int64_t iterations, int nthreads) {
