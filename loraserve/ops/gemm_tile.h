@@ -128,8 +128,7 @@ SIMD_INLINE void gemm_tile(const int MR, const int NB, const float *a, int64_t l
     TILE_STORE()
 }
 
-/* T_(MR) for a tile of m rows, MR a constant in each branch: SWITCH_ROWS for 1..TILE_ROWS,
- * SWITCH_PART_ROWS for a remainder of 0..TILE_ROWS - 1 */
+/* T_(MR) for a tile of m rows (1..TILE_ROWS), MR a constant in each branch */
 #define CASES_1_5(T_)                                                                      \
     case 1: T_(1); break;                                                                  \
     case 2: T_(2); break;                                                                  \
@@ -143,8 +142,6 @@ SIMD_INLINE void gemm_tile(const int MR, const int NB, const float *a, int64_t l
 #endif
 #define SWITCH_ROWS(m, T_)                                                                 \
     switch (m) { CASES_1_5(T_) CASES_6_7(T_) default: T_(TILE_ROWS); break; }
-#define SWITCH_PART_ROWS(m, T_)                                                            \
-    switch (m) { CASES_1_5(T_) CASES_6_7(T_) default: break; }
 
 /* Rows of x per block: at most GEMM_XBLOCK KB (the block stays in L2 while every panel passes
  * over it), blocks of equal size in whole tiles (64 rows of K = 1536 go as 3 x 24, not
