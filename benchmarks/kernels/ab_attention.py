@@ -23,7 +23,7 @@ from kernel_ab import add_sides, alternate, median_ratio
 from loraserve.model.attention import paged_decode
 from loraserve.ops.cbuild import compile_once
 
-SHAPES = ((64, 180), (128, 576), (1, 300))  # (sequences, context tokens)
+SHAPES = ((32, 160), (64, 180), (128, 576), (1, 300))  # (sequences, context tokens)
 BLOCK, HEADS, KV_HEADS, HEAD_DIM = 16, 9, 3, 64
 
 

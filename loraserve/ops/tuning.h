@@ -166,13 +166,23 @@
 /* with at least this many sequences per thread a work item takes every kv head of its
  * sequence, reading each token's row whole (kernel_ab.py attention) */
 #define ATTN_SEQS_PER_THREAD 4
-/* K rows fetched this many tokens ahead (two 8-token groups), into L1 for the next score
- * pass; spread over the head loop so the burst does not overflow the miss buffers
- * (kernel_ab.py attention) */
-#define ATTN_K_AHEAD 16
-#define ATTN_K_HINT PF_L1
+/* K rows fetched this many tokens ahead (four 8-token groups), into L2 for the next score
+ * passes; spread over the head loop so the burst does not overflow the miss buffers. Into L2
+ * and this far: long contexts read faster than with 16 tokens into L1, at a cost of a few
+ * percent to one short sequence (kernel_ab.py attention) */
+#ifndef ATTN_K_AHEAD
+#define ATTN_K_AHEAD 32
+#endif
+#ifndef ATTN_K_HINT
+#define ATTN_K_HINT PF_L2
+#endif
 /* this group's V rows, read after the whole score pass: into L2 (kernel_ab.py attention) */
 #define ATTN_V_HINT PF_L2
+/* KB of the next work item's K and V rows fetched into L2 while a thread runs the one
+ * before it: two items' rows, this one's and the next's, within L2 (kernel_ab.py attention) */
+#ifndef ATTN_NEXT_ITEM_KB
+#define ATTN_NEXT_ITEM_KB 384
+#endif
 
 /* ---- Element-wise kernels (ops/fused_cpu.c) ---------------------------------------------- */
 

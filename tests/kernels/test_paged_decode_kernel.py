@@ -49,3 +49,31 @@ def test_kernel_matches_reference(hd, n, window, softcap):
     paged_decode(lib, q, out, torch.arange(n), k, v, tables, lens, bs, scale, window, softcap)
     want = reference(q, k, v, tables, lens, bs, scale, window, softcap)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("n,max_len,hd", [(5, 300, 64), (40, 200, 64), (9, 700, 128)])
+def test_kernel_shares_out_uneven_sequences(n, max_len, hd):
+    """Many sequences of uneven lengths on a team of three threads: every work item is run once
+    by exactly one thread (the shares are cut by context length), whether an item's rows were
+    fetched by the item before it or are too long for that (hd 128, 700 tokens)."""
+    lib = load()
+    if lib is None:
+        pytest.fail("the paged decode kernel did not build (gcc is a test dependency)")
+    g = torch.Generator().manual_seed(n * max_len)
+    nh, kvh, bs = 6, 2, 16
+    lens = torch.randint(1, max_len, (n,), generator=g)
+    lens[n // 2] = max_len
+    nb = -(-max_len // bs)
+    k = torch.randn(n * nb * bs, kvh, hd, generator=g)
+    v = torch.randn(n * nb * bs, kvh, hd, generator=g)
+    tables = torch.randperm(n * nb, generator=g).view(n, nb).contiguous()
+    q = torch.randn(n, nh, hd, generator=g)
+    out = torch.full_like(q, float("nan"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        paged_decode(lib, q, out, torch.arange(n), k, v, tables, lens, bs, hd**-0.5)
+    finally:
+        torch.set_num_threads(threads)
+    want = reference(q, k, v, tables, lens, bs, hd**-0.5, 0, 0.0)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)

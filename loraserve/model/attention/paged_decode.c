@@ -10,8 +10,9 @@
  * [n, table_stride] (block ids), lens int64 [n] (context length, the new token included: its
  * K/V are already written). Query head j reads kv head j / (nh / kvh) (grouped-query attention,
  * as transformers' repeat_kv). softcap > 0 caps each scaled score as softcap * tanh(s /
- * softcap) (Gemma 2). Work items are (sequence, kv head) pairs over OpenMP threads. Returns
- * 0, or -1 if scratch memory cannot be had.
+ * softcap) (Gemma 2). Work items are (sequence, kv head) pairs; each OpenMP thread takes a
+ * contiguous range of them and fetches its next item's rows into L2 while it runs this one
+ * (docs/cpu-kernels.md). Returns 0, or -1 if scratch memory cannot be had.
  *
  * With AVX2 + FMA and a head size that is a multiple of 8 (every family we serve), scores are
  * computed 8 tokens at a time: eight independent multiply-add chains, one 8-float q chunk shared
@@ -20,23 +21,24 @@
  * polynomial (relative error ~2e-7) instead of scalar expf.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "../../ops/simd.h"
 #include "../../ops/tuning.h"
-#if defined(__AVX2__) && defined(__FMA__)
-#define HAVE_AVX2 1
-#endif
+#include "paged_rows.h"
 
-static inline int64_t slot_of(const int64_t *table, int64_t t, int64_t block_size) {
-    return table[t / block_size] * block_size + t % block_size;
-}
-
+/* softcap > 0: a scaled score capped to softcap * tanh(s / softcap) (both paths) */
 static inline float cap(float s, float softcap) {
     return softcap > 0.f ? softcap * tanhf(s / softcap) : s;
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2 1
+#include "paged_attend_avx2.h"
+#endif
 
 /* Generic path: any head size, any ISA. p holds one head's scores over the window. */
 static void attend_scalar(const float *qh, float *o, const float *kbase, const float *vbase,
@@ -66,123 +68,6 @@ static void attend_scalar(const float *qh, float *o, const float *kbase, const f
         for (int64_t d = 0; d < HD; d++) og[d] *= inv;
     }
 }
-
-#ifdef HAVE_AVX2
-/* exp(x) for x <= 0 (scores minus their max): 2^n * poly(r), r = x - n ln2, |r| <= ln2 / 2. */
-static inline f32x8 exp_neg(f32x8 x) {
-    x = f32x8_max(x, f32x8_set1(-87.0f)); /* below: 2^n would leave the normals */
-    const f32x8 n = f32x8_round(f32x8_mul(x, f32x8_set1(1.44269504f)));
-    f32x8 r = f32x8_fnma(n, f32x8_set1(0.693145752f), x);
-    r = f32x8_fnma(n, f32x8_set1(1.42860677e-6f), r);
-    f32x8 y = f32x8_set1(1.f / 5040);
-    y = f32x8_fma(y, r, f32x8_set1(1.f / 720));
-    y = f32x8_fma(y, r, f32x8_set1(1.f / 120));
-    y = f32x8_fma(y, r, f32x8_set1(1.f / 24));
-    y = f32x8_fma(y, r, f32x8_set1(1.f / 6));
-    y = f32x8_fma(y, r, f32x8_set1(0.5f));
-    y = f32x8_fma(y, r, f32x8_set1(1.f));
-    y = f32x8_fma(y, r, f32x8_set1(1.f));
-    return f32x8_mul(y, f32x8_exp2i(n));
-}
-
-static inline __attribute__((always_inline)) void attend_avx2(
-        const float *qh, float *o, const float *kbase, const float *vbase, const int64_t *table,
-        int64_t t_begin, int64_t L, int64_t H, int64_t G, const int64_t HD, int64_t tok_stride,
-        int64_t block_size, float scale, float softcap, float *p) {
-    /* H kv heads (adjacent in a token's row) and their H * G query heads; p: [H * G, n]. */
-    const int64_t n = L - t_begin, HG = H * G;
-    f32x8 vmax[HG]; /* running max per query head */
-    for (int64_t j = 0; j < HG; j++) vmax[j] = f32x8_set1(-INFINITY);
-    for (int64_t t0 = 0; t0 < n; t0 += 8) {
-        const int64_t nt = n - t0 < 8 ? n - t0 : 8;
-        const float *k[8], *pv[8]; /* this group's K rows, and its V rows (prefetched below) */
-        for (int64_t j = 0; j < 8; j++) { /* a short last group repeats its last token */
-            const int64_t row = slot_of(table, t_begin + t0 + (j < nt ? j : nt - 1), block_size)
-                                * tok_stride;
-            k[j] = kbase + row;
-            pv[j] = vbase + row;
-        }
-        /* Prefetch, spread over the head loop below (a burst overflows the miss buffers and
-         * is dropped): K rows ATTN_K_AHEAD tokens ahead, and this group's V rows, which the
-         * weighted sum reads after the whole score pass */
-        const float *pk[8];
-        int64_t npk = 0;
-        for (int64_t j = t0 + ATTN_K_AHEAD; j < t0 + ATTN_K_AHEAD + 8 && j < n; j++)
-            pk[npk++] = kbase + slot_of(table, t_begin + j, block_size) * tok_stride;
-        const int64_t lpr = H * HD / LINE_FLOATS, totk = npk * lpr, totv = nt * lpr;
-        for (int64_t hg = 0; hg < HG; hg++) {
-            for (int64_t li = hg * totk / HG; li < (hg + 1) * totk / HG; li++)
-                PREFETCH(pk[li / lpr] + li % lpr * LINE_FLOATS, ATTN_K_HINT);
-            for (int64_t li = hg * totv / HG; li < (hg + 1) * totv / HG; li++)
-                PREFETCH(pv[li / lpr] + li % lpr * LINE_FLOATS, ATTN_V_HINT);
-            const float *qg = qh + hg * HD;
-            const int64_t koff = hg / G * HD; /* this query head's kv head in the row */
-            f32x8 acc[8];
-            for (int j = 0; j < 8; j++) acc[j] = f32x8_zero();
-            for (int64_t d = 0; d < HD; d += 8) {
-                const f32x8 qd = f32x8_load(qg + d);
-                for (int j = 0; j < 8; j++)
-                    acc[j] = f32x8_fma(qd, f32x8_load(k[j] + koff + d), acc[j]);
-            }
-            f32x8 s = f32x8_mul(f32x8_hsums(acc), f32x8_set1(scale));
-            float tmp[8];
-            f32x8_store(tmp, s);
-            if (softcap > 0.f) {
-                for (int j = 0; j < 8; j++) tmp[j] = cap(tmp[j], softcap);
-                s = f32x8_load(tmp);
-            }
-            if (nt == 8) {
-                f32x8_store(p + hg * n + t0, s);
-                vmax[hg] = f32x8_max(vmax[hg], s);
-            } else {
-                for (int64_t j = 0; j < nt; j++) {
-                    p[hg * n + t0 + j] = tmp[j];
-                    vmax[hg] = f32x8_max(vmax[hg], f32x8_set1(tmp[j]));
-                }
-            }
-        }
-    }
-    for (int64_t hg = 0; hg < HG; hg++) {
-        float *pg = p + hg * n, m8[8], mx = -INFINITY;
-        f32x8_store(m8, vmax[hg]);
-        for (int j = 0; j < 8; j++) mx = m8[j] > mx ? m8[j] : mx;
-        const f32x8 vmx = f32x8_set1(mx);
-        f32x8 vsum = f32x8_zero();
-        int64_t t = 0;
-        for (; t + 8 <= n; t += 8) {
-            const f32x8 e = exp_neg(f32x8_sub(f32x8_load(pg + t), vmx));
-            f32x8_store(pg + t, e);
-            vsum = f32x8_add(vsum, e);
-        }
-        float s8[8], sum = 0.f;
-        f32x8_store(s8, vsum);
-        for (int j = 0; j < 8; j++) sum += s8[j];
-        for (; t < n; t++) sum += (pg[t] = expf(pg[t] - mx));
-        const f32x8 inv = f32x8_set1(1.f / sum);
-        /* weighted sum of V, 64 dims at a time so the 8 accumulators stay in registers; the
-         * first head's pass brings the rows into cache for the others */
-        for (int64_t d0 = 0; d0 < HD; d0 += 64) {
-            const int64_t nd = HD - d0 < 64 ? (HD - d0) / 8 : 8;
-            f32x8 acc[8];
-            for (int j = 0; j < 8; j++) acc[j] = f32x8_zero();
-            for (int64_t b0 = 0; b0 < n;) { /* block by block: one table lookup each */
-                const int64_t off = (t_begin + b0) % block_size;
-                const int64_t nb = block_size - off < n - b0 ? block_size - off : n - b0;
-                const float *v = vbase + slot_of(table, t_begin + b0, block_size) * tok_stride
-                                 + hg / G * HD + d0;
-                for (int64_t t1 = 0; t1 < nb; t1++, v += tok_stride) {
-                    const f32x8 w = f32x8_set1(pg[b0 + t1]);
-                    for (int64_t j = 0; j < nd; j++)
-                        acc[j] = f32x8_fma(w, f32x8_load(v + 8 * j), acc[j]);
-                }
-                b0 += nb;
-            }
-            for (int64_t j = 0; j < nd; j++)
-                f32x8_store(o + hg * HD + d0 + 8 * j, f32x8_mul(acc[j], inv));
-        }
-    }
-}
-#endif
 
 typedef struct {
     const float *q, *k_cache, *v_cache;
@@ -214,35 +99,81 @@ static attn_call_t attn_call(const float *q, int64_t q_stride, const int64_t *ro
                          .scale = scale, .softcap = softcap};
 }
 
-/* One thread's part of the work items: inside a parallel region, an orphaned work-sharing
- * loop over the calling team (ending in its barrier); outside one, all of them. Sets *failed
- * where its scratch cannot be had. */
+/* Work item w: its sequence's context [t_begin, L) and the place of its kv heads. */
+typedef struct {
+    int64_t i, h, L, t_begin;
+} item_t;
+
+static inline item_t item_of(const attn_call_t *c, int64_t w) {
+    const int64_t i = w / (c->kvh / c->H), L = c->lens[i];
+    return (item_t){i, w % (c->kvh / c->H) * c->H, L,
+                    c->window > 0 && L > c->window ? L - c->window : 0};
+}
+
+/* This thread's items [*w0, *w1): a contiguous range, of about equal context length per thread
+ * (item w goes to the thread whose share holds the middle of its tokens), so that a thread
+ * knows the item it runs next and can fetch it while it runs this one. */
+static void my_items(const attn_call_t *c, int64_t *w0, int64_t *w1) {
+    const int64_t me = omp_get_thread_num(), team = omp_get_num_threads();
+    int64_t total = 0, before = 0;
+    for (int64_t w = 0; w < c->items; w++) {
+        const item_t it = item_of(c, w);
+        total += it.L - it.t_begin;
+    }
+    *w0 = *w1 = 0;
+    for (int64_t w = 0; w < c->items; w++) {
+        const item_t it = item_of(c, w);
+        const int64_t len = it.L - it.t_begin;
+        const int64_t owner = total ? (2 * before + len) * team / (2 * total) : 0;
+        if (owner < me) *w0 = w + 1;
+        if (owner <= me) *w1 = w + 1;
+        before += len;
+    }
+    if (*w1 < *w0) *w1 = *w0;
+}
+
+/* One thread's part of the work items: inside a parallel region, its share of the calling
+ * team's (then the team's barrier); outside one, all of them. Sets *failed where its scratch
+ * cannot be had. */
 static void attend_items(const attn_call_t *c, int *failed) {
     const int64_t G = c->nh / c->kvh, tok_stride = c->kvh * c->hd, H = c->H, hd = c->hd;
+    const int64_t bs = c->block_size, lpr = H * hd / LINE_FLOATS;
+    const int64_t cap_lines = ATTN_NEXT_ITEM_KB * 1024 / (LINE_FLOATS * 4);
     float *p = malloc(sizeof(float) * (size_t)(c->max_len * G * H)); /* [H * G, window] */
     if (!p) {
 #pragma omp atomic write
         *failed = 1;
     }
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < c->items; w++) {
-        if (!p) continue;
-        const int64_t i = w / (c->kvh / H), h = w % (c->kvh / H) * H, L = c->lens[i];
-        const int64_t t_begin = c->window > 0 && L > c->window ? L - c->window : 0;
+    int64_t w0, w1;
+    my_items(c, &w0, &w1);
+    for (int64_t w = w0; p && w < w1; w++) {
+        const item_t it = item_of(c, w);
+        const int64_t i = it.i, h = it.h, L = it.L, t_begin = it.t_begin;
         const float *qh = c->q + c->rows[i] * c->q_stride + h * G * hd; /* H * G query heads */
         float *o = c->out + c->rows[i] * c->out_stride + h * G * hd;
         const float *kb = c->k_cache + h * hd, *vb = c->v_cache + h * hd;
-        const int64_t *table = c->tables + i * c->table_stride, bs = c->block_size;
+        const int64_t *table = c->tables + i * c->table_stride;
+        /* fetched whole by the item before it: no fetches ahead of its own */
+        const int fetched = w > w0 && (L - t_begin) * 2 * lpr <= cap_lines;
+        item_fetch next = {.lines = 0};
+        if (w + 1 < w1) {
+            const item_t nx = item_of(c, w + 1);
+            const int64_t lines = (nx.L - nx.t_begin) * 2 * lpr;
+            next = (item_fetch){cursor_at(c->tables + nx.i * c->table_stride, nx.t_begin, bs,
+                                          tok_stride),
+                                c->k_cache + nx.h * hd, c->v_cache + nx.h * hd, lpr, 0,
+                                lines < cap_lines ? lines : cap_lines};
+        }
 #ifdef HAVE_AVX2
         if (hd == 64)
             attend_avx2(qh, o, kb, vb, table, t_begin, L, H, G, 64, tok_stride, bs, c->scale,
-                        c->softcap, p);
+                        c->softcap, p, fetched, &next);
         else if (hd == 128)
             attend_avx2(qh, o, kb, vb, table, t_begin, L, H, G, 128, tok_stride, bs, c->scale,
-                        c->softcap, p);
+                        c->softcap, p, fetched, &next);
         else if (hd % 8 == 0)
             attend_avx2(qh, o, kb, vb, table, t_begin, L, H, G, hd, tok_stride, bs, c->scale,
-                        c->softcap, p);
+                        c->softcap, p, fetched, &next);
         else
 #endif
             for (int64_t j = 0; j < H; j++)
@@ -250,6 +181,7 @@ static void attend_items(const attn_call_t *c, int *failed) {
                               t_begin, L, G, hd, tok_stride, bs, c->scale, c->softcap, p);
     }
     free(p);
+#pragma omp barrier
 }
 
 int paged_decode_attention(const float *q, int64_t q_stride, const int64_t *rows, float *out,
