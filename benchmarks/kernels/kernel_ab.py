@@ -23,7 +23,7 @@ is the median over rounds of the per-round difference or ratio.
   `--engine` instead times whole multi-LoRA runs in the engine with each side's op, base-only
   runs between (multi/base per side, and the decode steps' seconds apart).
 - `attention`: the paged decode attention kernel (model/attention/paged_decode.c), one cache per
-  layer as a decode step reads them, at three batch shapes; effective GB/s of K and V read.
+  layer as a decode step reads them, at four batch shapes; effective GB/s of K and V read.
 - `elementwise`: the fused element-wise kernels (ops/fused_cpu.c) against torch's separate ops
   in the engine: the offline batch, and decode at batch 64 and 1; greedy tokens must agree.
 - `qpanel`: the quantized panel GEMM (ops/qpanel_gemm.c) over a model's projections at batch
