@@ -116,10 +116,8 @@ static void gemm_unit(const call *c, const dplan *pl, int64_t u, int next, curso
     const float *panels = M > TILE_ROWS && next ? b + UNIT * K : 0; /* the next unit's */
     const int64_t plines = UNIT * K / LINE_FLOATS, ptiles = (plines + K - 1) / K;
     const int spread = panels && cu && tiles > ptiles;
-    const int64_t rest = M > TILE_ROWS ? M - TILE_ROWS : 0; /* rows after a full first tile */
     for (int64_t r = 0, i = 0, m; r < M; r += m, i++) {
-        /* the rest in tiles of near-equal height, as ops/gemm_cpu.c's rows_of_unit says why */
-        m = i == 0 ? M - rest : rest / (tiles - 1) + (i - 1 < rest % (tiles - 1));
+        m = gemm_tile_height(M, i);
         fetch f;
         f.n[0] = 0;
         if (spread && i < ptiles) { /* its share of the panels' lines: no room for LoRA's */

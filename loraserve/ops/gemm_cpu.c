@@ -31,22 +31,17 @@ void gemm_pack(const float *w, int64_t ldw, int64_t N, int64_t K, float *out) {
     }
 }
 
-/* Rows [0, m) of one unit of nb panels at b (cols: columns of its last panel), in tiles of
- * near-equal height: a 1- or 2-row tail tile has too few accumulator chains to keep the FMA
- * units busy (32 rows on AVX2 go as 6 6 5 5 5 5, not 6 6 6 6 6 2). With more than one row
- * tile, the first fetches the next unit (when `next`) while it reads this one (batch 1 is
- * faster without: one stream). */
+/* Rows [0, m) of one unit of nb panels at b (cols: columns of its last panel), in the tiles
+ * gemm_tile_height gives (32 rows on AVX2 as 6 6 5 5 5 5, not 6 6 6 6 6 2). With more than
+ * one row tile, the first fetches the next unit (when `next`) while it reads this one (batch
+ * 1 is faster without: one stream). */
 static void rows_of_unit(const float *a, int64_t lda, int64_t m, const float *b, int64_t K,
                          float *c, int64_t ldc, int64_t cols, int nb, int next) {
-    const int64_t rest = m > TILE_ROWS ? m - TILE_ROWS : 0;
-    const int64_t ntiles = (rest + TILE_ROWS - 1) / TILE_ROWS; /* after the first */
-    const float *pf = rest && next ? b + TILE_PANELS * K * NR : 0;
+    const float *pf = m > TILE_ROWS && next ? b + TILE_PANELS * K * NR : 0;
 #define T_(MR) gemm_tile(MR, NB, a + r * lda, lda, b, K, c + r * ldc, ldc, cols, pf)
 #define ROWS                                                                               \
-    { const int64_t r = 0; SWITCH_ROWS(m - rest, T_) }                                     \
-    pf = 0;                                                                                \
-    for (int64_t r = m - rest, i = 0, h; r < m; r += h, i++) {                             \
-        h = rest / ntiles + (i < rest % ntiles); /* the first (rest % ntiles): a row more */\
+    for (int64_t r = 0, i = 0, h; r < m; r += h, i++, pf = 0) {                            \
+        h = gemm_tile_height(m, i);                                                        \
         SWITCH_ROWS(h, T_)                                                                 \
     }
 #if TILE_PANELS > 1

@@ -143,6 +143,16 @@ SIMD_INLINE void gemm_tile(const int MR, const int NB, const float *a, int64_t l
 #define SWITCH_ROWS(m, T_)                                                                 \
     switch (m) { CASES_1_5(T_) CASES_6_7(T_) default: T_(TILE_ROWS); break; }
 
+/* The height of row tile i of a unit's m rows: the first is full (m when fewer), the rest are
+ * of near-equal height, the first (rest % their count) a row more. A 1- or 2-row tail tile has
+ * too few accumulator chains for the FMA latency; the first tile stays full because it meets
+ * the unit's panels from memory, and a smaller one hides less of that wait (cpu-kernels.md). */
+static inline int64_t gemm_tile_height(int64_t m, int64_t i) {
+    if (i == 0) return m < TILE_ROWS ? m : TILE_ROWS;
+    const int64_t rest = m - TILE_ROWS, tiles = (rest + TILE_ROWS - 1) / TILE_ROWS;
+    return rest / tiles + (i - 1 < rest % tiles);
+}
+
 /* Rows of x per block: at most GEMM_XBLOCK KB (the block stays in L2 while every panel passes
  * over it), blocks of equal size in whole tiles (64 rows of K = 1536 go as 3 x 24, not
  * 30 + 30 + 4). *blocks: ceil(M / the block size before that rounding). */

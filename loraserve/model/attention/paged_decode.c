@@ -146,6 +146,7 @@ static void attend_items(const attn_call_t *c, int *failed) {
     }
     int64_t w0, w1;
     my_items(c, &w0, &w1);
+    int fetched = 0; /* this item fetched whole by the one before it: no fetches of its own */
     for (int64_t w = w0; p && w < w1; w++) {
         const item_t it = item_of(c, w);
         const int64_t i = it.i, h = it.h, L = it.L, t_begin = it.t_begin;
@@ -153,9 +154,8 @@ static void attend_items(const attn_call_t *c, int *failed) {
         float *o = c->out + c->rows[i] * c->out_stride + h * G * hd;
         const float *kb = c->k_cache + h * hd, *vb = c->v_cache + h * hd;
         const int64_t *table = c->tables + i * c->table_stride;
-        /* fetched whole by the item before it: no fetches ahead of its own */
-        const int fetched = w > w0 && (L - t_begin) * 2 * lpr <= cap_lines;
         item_fetch next = {.lines = 0};
+        int next_whole = 0;
         if (w + 1 < w1) {
             const item_t nx = item_of(c, w + 1);
             const int64_t lines = (nx.L - nx.t_begin) * 2 * lpr;
@@ -163,6 +163,7 @@ static void attend_items(const attn_call_t *c, int *failed) {
                                           tok_stride),
                                 c->k_cache + nx.h * hd, c->v_cache + nx.h * hd, lpr, 0,
                                 lines < cap_lines ? lines : cap_lines};
+            next_whole = lines <= cap_lines;
         }
 #ifdef HAVE_AVX2
         if (hd == 64)
@@ -179,6 +180,7 @@ static void attend_items(const attn_call_t *c, int *failed) {
             for (int64_t j = 0; j < H; j++)
                 attend_scalar(qh + j * G * hd, o + j * G * hd, kb + j * hd, vb + j * hd, table,
                               t_begin, L, G, hd, tok_stride, bs, c->scale, c->softcap, p);
+        fetched = next_whole;
     }
     free(p);
 #pragma omp barrier
