@@ -31,6 +31,7 @@ from loraserve.model.moe import ExpertLoraHook, MoeWeights, moe_forward, shared_
 from loraserve.model.native_decode import NativeDecode
 from loraserve.model.rope import inv_freq
 from loraserve.ops.elementwise import add_rms_norm_, silu_mul
+from loraserve.ops.native_lora import NativeLoraStep
 
 
 class LoraHook(ExpertLoraHook, Protocol):
@@ -49,6 +50,10 @@ class LoraHook(ExpertLoraHook, Protocol):
 
     def head(self, rows: torch.Tensor, x: torch.Tensor,
              lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor: ...
+
+    def native(self) -> NativeLoraStep | None:
+        """The step's LoRA op as the C decode loop calls it after each projection; None
+        where the backend has no such view or the step's adapters need more than B @ A."""
 
 
 @dataclass
@@ -125,10 +130,13 @@ class LlamaModel:
         # [T, d]
         h = F.embedding(input_ids, self.embed) if lora is None else lora.embed(input_ids,
                                                                                 self.embed)
-        if (lora is None and self.native is not None
-                and self.native.fits(attention, attn_meta, positions, self.ropes[0].max_positions)):
-            self.native.run(h, positions, kv_caches, attention, attn_meta)
-            return self._logits(h, logits_rows, lora)
+        native = self.native
+        if native is not None and native.fits(attention, attn_meta, positions,
+                                              self.ropes[0].max_positions):
+            native_lora = None if lora is None or not native.takes_lora else lora.native()
+            if lora is None or native_lora is not None:
+                native.run(h, positions, kv_caches, attention, attn_meta, native_lora)
+                return self._logits(h, logits_rows, lora)
         rotate = [r.rotator(positions) for r in self.ropes]  # [0] global, [1] local
         nh, kvh, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         q_size, kv_size, eps = self.q_size, self.kv_size, c.rms_norm_eps

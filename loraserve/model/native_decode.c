@@ -1,4 +1,4 @@
-/* Every decoder layer of a decode-only, base-only step in one call: the same kernels the
+/* Every decoder layer of a decode-only step in one call: the same kernels the
  * model's Python loop calls one by one (the float32 or quantized GEMM, ops/fused_cpu.c's
  * norms, rope and silu, the paged decode attention), called here in the same order on the same buffers.
  *
@@ -12,6 +12,11 @@
  * the same whichever path its step took. The caller (native_decode.py) checks the shapes.
  *
  * Rows: B decode tokens, rows 0..B-1 of every buffer (unit stride, row strides as below).
+ *
+ * Adapters: where the step has LoRA rows, each projection is followed by the LoRA kernel
+ * (lora/sgmv_cpu.c's lora_sgmv) on its group, as the Python loop's backend calls it after a
+ * quantized projection; native_decode.py takes such steps only over quantized projections
+ * (float32 panels there take the fused decode op instead).
  */
 #include <stdint.h>
 #include <string.h>
@@ -43,6 +48,31 @@ typedef int (*attention_team_fn)(const float *q, int64_t q_stride, const int64_t
                                  int64_t nh, int64_t kvh, int64_t hd, int64_t block_size,
                                  float scale, int64_t window, float softcap, int nthreads,
                                  int *failed);
+
+/* lora/sgmv_cpu.c's lora_sgmv: y += the segments' LoRA deltas (A, B: the group's slot pools) */
+typedef int (*sgmv_fn)(const float *x, int64_t ldx, float *y, int64_t ldy, const void *A,
+                       int64_t a_slot, int64_t d_in, const void *B, int64_t b_slot,
+                       const int64_t *segs, int64_t nseg, const int64_t *parts, int64_t npart,
+                       float *t, int64_t ldt, int64_t tile, int nthreads);
+
+/* One step's LoRA op, as ops/native_lora.py packs it (int64 fields, in that order): per
+ * group, this step's segments and parts (nsegs 0: no adapter of the step targets it), and
+ * per layer and group the A and B pools' addresses */
+typedef struct {
+    const int64_t *segs;
+    int64_t nsegs;
+    const int64_t *parts;
+    int64_t nparts, a_slot, b_slot, d_in;
+} lora_group_t;
+
+enum { G_QKV, G_O, G_GATE_UP, G_DOWN, N_GROUPS };
+
+typedef struct {
+    sgmv_fn fn;
+    int64_t tile, ldt, n_layers;
+    const void *const (*tables)[N_GROUPS][2]; /* [n_layers][group][A, B] */
+    lora_group_t groups[N_GROUPS];
+} lora_step_t;
 
 /* ops/gemm_cpu.c's float32 GEMM over its packed panels */
 typedef void (*gemm_f32_fn)(const float *x, int64_t ldx, const float *packed, int64_t M,
@@ -98,6 +128,24 @@ static int project(const projection_t *p, int in_team, const float *x, int64_t l
     }
     return p->fn((int)p->kind, x, ldx, B, p->k, p->w, p->w2, p->w3, p->n, y, p->n, work,
                  nthreads);
+}
+
+/* y += group g's LoRA deltas of layer li (no-op without adapters there); nonzero: refused */
+static int add_lora(const lora_step_t *lora, float *lora_t, int64_t li, int g, const float *x,
+                    int64_t ldx, float *y, int64_t ldy, int nthreads) {
+    if (!lora || !lora->groups[g].nsegs) return 0;
+    const lora_group_t *G = &lora->groups[g];
+    return lora->fn(x, ldx, y, ldy, lora->tables[li][g][0], G->a_slot, G->d_in,
+                    lora->tables[li][g][1], G->b_slot, G->segs, G->nsegs, G->parts, G->nparts,
+                    lora_t, lora->ldt, lora->tile, nthreads);
+}
+
+/* the projection, then its group's LoRA deltas */
+static int project_lora(const projection_t *p, int in_team, const lora_step_t *lora,
+                        float *lora_t, int64_t li, int g, const float *x, int64_t ldx,
+                        int64_t B, float *y, void *work, int nthreads) {
+    return project(p, in_team, x, ldx, B, y, work, nthreads)
+        || add_lora(lora, lora_t, li, g, x, ldx, y, p->n, nthreads);
 }
 
 /* The step in one OpenMP team: every thread runs the layer loop, the GEMMs and the attention
@@ -163,14 +211,17 @@ static int run_layers(const model_t *m, const layer_t *layers, int64_t n_layers,
                       int64_t B, const int64_t *positions, const int64_t *slots,
                       const int64_t *rows, const int64_t *tables, int64_t table_stride,
                       const int64_t *lens, const step_buffers_t *s, void *work, int nthreads,
-                      int in_team, int *attention_failed) {
+                      int in_team, int *attention_failed, const lora_step_t *lora,
+                      float *lora_t) {
     const int64_t d = m->d, nh = m->nh, kvh = m->kvh, hd = m->hd, inter = m->inter;
 #pragma omp single
     m->rms_norm(h, d, m->first_norm, s->x, d, B, d, m->eps, nthreads);
     for (int64_t li = 0; li < n_layers; li++) {
         const layer_t *L = &layers[li];
         /* a kernel's refusal depends on its arguments alone: every thread sees the same */
-        if (project(&L->qkv, in_team, s->x, d, B, s->qkv, work, nthreads)) return (int)li + 1;
+        if (project_lora(&L->qkv, in_team, lora, lora_t, li, G_QKV, s->x, d, B, s->qkv, work,
+                         nthreads))
+            return (int)li + 1;
 #pragma omp single
         {
             m->rope(s->qkv, s->ld_qkv, B, nh + kvh, hd, positions, m->cos, m->sin, nthreads);
@@ -185,16 +236,19 @@ static int run_layers(const model_t *m, const layer_t *layers, int64_t n_layers,
                                    L->v_cache, tables, table_stride, lens, B, nh, kvh, hd,
                                    m->block_size, m->scale, L->window, m->softcap, nthreads);
         if (refused) return (int)li + 1;
-        if (project(&L->o, in_team, s->a, s->q_size, B, s->o, work, nthreads))
+        if (project_lora(&L->o, in_team, lora, lora_t, li, G_O, s->a, s->q_size, B, s->o, work,
+                         nthreads))
             return (int)li + 1;
 #pragma omp single
         m->add_rms_norm(h, d, s->o, d, m->residual, L->post_norm, s->x, d, B, d, m->eps,
                         nthreads);
-        if (project(&L->gate_up, in_team, s->x, d, B, s->gu, work, nthreads))
+        if (project_lora(&L->gate_up, in_team, lora, lora_t, li, G_GATE_UP, s->x, d, B, s->gu,
+                         work, nthreads))
             return (int)li + 1;
 #pragma omp single
         m->silu_mul(s->gu, 2 * inter, s->mlp, inter, B, inter, nthreads);
-        if (project(&L->down, in_team, s->mlp, inter, B, s->o, work, nthreads))
+        if (project_lora(&L->down, in_team, lora, lora_t, li, G_DOWN, s->mlp, inter, B, s->o,
+                         work, nthreads))
             return (int)li + 1;
 #pragma omp single
         m->add_rms_norm(h, d, s->o, d, m->residual, L->next_norm, s->x, d, B, d, m->eps,
@@ -203,23 +257,29 @@ static int run_layers(const model_t *m, const layer_t *layers, int64_t n_layers,
     return 0;
 }
 
-/* h [B, d] (the embeddings in; the last layer's residual stream out). Returns 0, or the
- * 1-based layer whose kernel refused (a GEMM's shape, the attention's scratch). */
+/* h [B, d] (the embeddings in; the last layer's residual stream out). lora: the step's LoRA
+ * op, or NULL for a base-only step; lora_t: B rows of lora->ldt floats for its shrink. Returns
+ * 0, or the 1-based layer whose kernel refused (a GEMM's shape, the attention's scratch, the
+ * LoRA kernel's ranks or tile width). A step with adapters takes a team per kernel: the LoRA
+ * kernel starts its own. */
 int native_decode(const model_t *m, const layer_t *layers, int64_t n_layers, float *h,
                   int64_t B, const int64_t *positions, const int64_t *slots,
                   const int64_t *rows, const int64_t *tables, int64_t table_stride,
-                  const int64_t *lens, float *scratch, void *work, int nthreads) {
+                  const int64_t *lens, float *scratch, void *work, int nthreads,
+                  const lora_step_t *lora, float *lora_t) {
     const step_buffers_t s = buffers(m, B, scratch);
     int attention_failed = 0;
-    if (!native_decode_in_team(m, layers, n_layers, B, nthreads))
+    if (lora && lora->n_layers != n_layers) return 1;
+    if (lora || !native_decode_in_team(m, layers, n_layers, B, nthreads))
         return run_layers(m, layers, n_layers, h, B, positions, slots, rows, tables,
-                          table_stride, lens, &s, work, nthreads, 0, &attention_failed);
+                          table_stride, lens, &s, work, nthreads, 0, &attention_failed, lora,
+                          lora_t);
     int rc = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         const int mine = run_layers(m, layers, n_layers, h, B, positions, slots, rows,
                                     tables, table_stride, lens, &s, work, nthreads, 1,
-                                    &attention_failed);
+                                    &attention_failed, NULL, NULL);
 #pragma omp master
         rc = mine;
     }

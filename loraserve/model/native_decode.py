@@ -1,11 +1,17 @@
-"""A decode-only, base-only step's decoder layers in one C call (native_decode.c), for models
-whose every projection runs on one of our kernels (float32 panels or quantized) without bias.
+"""A decode-only step's decoder layers in one C call (native_decode.c), for models whose every
+projection runs on one of our kernels (float32 panels or quantized) without bias.
 
 It runs the kernels the model's Python loop runs, in the same order, on the same buffers, so
 a row's result is bit for bit the same whichever path its step took (the tests compare the
 two); what it saves is the loop's per-layer dispatch, which at batch 1 costs about as much
 as the layer's weight streaming. Steps it does not fit (a prefill or chunk among the rows,
-any adapter, a layer with a norm, window or cap it does not call) take the Python loop.
+a layer with a norm, window or cap it does not call) take the Python loop.
+
+Adapters: a step with LoRA rows runs here where every projection is quantized and the LoRA
+backend gives the C view of its op (`LoraHook.native`: the `cpu` backend, plain LoRA only);
+each projection is then followed by the LoRA kernel, as the Python loop's backend does after a
+quantized projection. Over float32 panels such steps take the Python loop, whose backend fuses
+the LoRA op into the GEMM.
 
 `build` returns None for a model it cannot run (a family with extra norms, a bias, experts,
 bf16 or oneDNN weights, an activation other than SiLU, no C compiler); `LORASERVE_NATIVE_DECODE=0`
@@ -28,6 +34,7 @@ from loraserve.model.quant_linear import QuantLinear
 from loraserve.ops.cbuild import load_library_once
 from loraserve.ops.elementwise import fused_enabled, fused_library
 from loraserve.ops.gemm import gemm_library
+from loraserve.ops.native_lora import NativeLoraStep
 from loraserve.ops.qgemm import load_qgemm
 from loraserve.ops.qpanel import PANEL_KINDS
 
@@ -58,7 +65,7 @@ class _Model(ctypes.Structure):
 def _configure(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.native_decode.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Layer), _i64, _ptr,
                                   _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr,
-                                  ctypes.c_int]
+                                  ctypes.c_int, _ptr, _ptr]
     lib.native_decode.restype = ctypes.c_int
     lib.native_decode_scratch_floats.argtypes = [ctypes.POINTER(_Model), _i64]
     lib.native_decode_scratch_floats.restype = _i64
@@ -104,6 +111,9 @@ class NativeDecode:
     def __init__(self, lib: ctypes.CDLL, model_desc: _Model, layers: list[_Layer],
                  work_bytes: list, keep: list):
         self.lib, self.model_desc, self.work_bytes = lib, model_desc, work_bytes
+        # steps with adapters only where no projection is float32 panels (module docstring)
+        self.takes_lora = all(p.kind != F32_PANELS for layer in layers
+                              for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.layers = (_Layer * len(layers))(*layers)
         # the widest input of any projection: the GEMMs' work is sized for it
         self.k_max = max(model_desc.inter, model_desc.nh * model_desc.hd, model_desc.d)
@@ -175,9 +185,11 @@ class NativeDecode:
                 and int(positions.max()) < max_positions)
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-            attention: CpuAttention, meta: CpuAttentionMetadata) -> None:
+            attention: CpuAttention, meta: CpuAttentionMetadata,
+            lora: NativeLoraStep | None = None) -> None:
         """Every layer over h ([B, d], the embeddings; the residual stream after the last
-        layer on return), K/V written into `kv_caches`."""
+        layer on return), K/V written into `kv_caches`, the step's LoRA deltas added where
+        `lora` is given (only where `takes_lora`)."""
         if self._caches is not kv_caches:  # the runner's list: its tensors' addresses, once
             for layer, (k, v) in zip(self.layers, kv_caches, strict=True):
                 layer.k_cache, layer.v_cache = k.data_ptr(), v.data_ptr()
@@ -188,10 +200,13 @@ class NativeDecode:
         work = torch.empty(max([64] + [fn(b, self.k_max) for fn in self.work_bytes]),
                            dtype=torch.uint8)
         tables = meta.decode_blocks
+        lora_t = None if lora is None else torch.empty(b * lora.ldt)
         rc = self.lib.native_decode(
             self.model_desc, self.layers, len(self.layers), h.data_ptr(), b,
             positions.data_ptr(), meta.slot_mapping.data_ptr(), meta.decode_rows.data_ptr(),
             tables.data_ptr(), tables.stride(0), meta.decode_lens.data_ptr(),
-            scratch.data_ptr(), work.data_ptr(), torch.get_num_threads())
+            scratch.data_ptr(), work.data_ptr(), torch.get_num_threads(),
+            None if lora is None else lora.desc.data_ptr(),
+            None if lora_t is None else lora_t.data_ptr())
         if rc:
             raise RuntimeError(f"the native decode loop failed in layer {rc - 1}")

@@ -3,8 +3,10 @@ one C call over float32 panels or quantized weights.
 
 - it computes what the model's Python loop computes, bit for bit (token ids and logprobs of
   a batch decoded with it and without it are equal), with and without sliding windows;
-- it runs exactly on the steps it fits (decodes only, no adapter) and leaves the others to
-  the Python loop;
+- it runs exactly on the steps it fits (decodes only; adapters only over quantized weights
+  and plain LoRA) and leaves the others to the Python loop;
+- with adapters it adds the same deltas as the Python loop, bit for bit, rows of several
+  adapters of different ranks and targets and base rows in one step;
 - a step of few rows over quantized panels runs in one OpenMP team, and gives the same bits
   as with a team per kernel;
 - models it cannot run (oneDNN's float weights, extra norms) do not get it;
@@ -112,17 +114,54 @@ def test_float32_and_wide_steps_take_a_team_per_kernel(llama):
         torch.set_num_threads(threads)
 
 
-def test_adapter_steps_take_the_python_loop(llama, monkeypatch):
-    hf, adapter = llama
-    llm = LLM(str(hf), quantization="int8", lora_paths={"a": str(adapter)},
-              enable_prefix_caching=False)
-    calls = _counting(llm.engine.model, monkeypatch)
-    with_adapter = _generate(llm, lora=["a", None, "a"])
-    assert calls == []  # every decode step has an adapter's row
+@pytest.fixture(scope="module")
+def adapters(llama, tmp_path_factory):
+    """Two more adapters of other ranks and targets (every projection; the MLP only, DoRA)."""
+    hf, first = llama
+    root = tmp_path_factory.mktemp("native_adapters")
+    wide = build_peft_model(hf, r=16, target_modules="all-linear", seed=4, init_scale=0.5)
+    wide.save_pretrained(root / "wide", safe_serialization=True)
+    dora = build_peft_model(hf, r=4, target_modules=["gate_proj", "down_proj"], seed=5,
+                            init_scale=0.5, use_dora=True)
+    dora.save_pretrained(root / "dora", safe_serialization=True)
+    return {"a": str(first), "wide": str(root / "wide"), "dora": str(root / "dora")}
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_adapter_steps_over_quantized_weights_run_natively(llama, adapters, scheme,
+                                                           monkeypatch):
+    hf, _ = llama
+    llm = LLM(str(hf), quantization=scheme, lora_paths=adapters, enable_prefix_caching=False)
+    model = llm.engine.model
+    assert model.native.takes_lora
+    calls = _counting(model, monkeypatch)
+    mixed = ["wide", None, "a"]
+    native = _generate(llm, lora=mixed)
+    assert calls == [3] * 11  # adapter rows, a base row between them
     base = _generate(llm)
+    assert native[1] == base[1]  # the base row's answer, whichever rows shared its step
+    assert native[0] != base[0] and native[2] != base[2]
+    model.native = None
+    assert _generate(llm, lora=mixed) == native
+
+
+def test_adapter_steps_the_c_loop_cannot_run_take_the_python_loop(llama, adapters,
+                                                                  monkeypatch):
+    hf, _ = llama
+    llm = LLM(str(hf), quantization="int8", lora_paths=adapters, enable_prefix_caching=False)
+    calls = _counting(llm.engine.model, monkeypatch)
+    with_dora = _generate(llm, lora=["a", "dora", None])
+    assert calls == []  # DoRA's column scale is applied after the projection, in Python
+    llm.engine.model.native = None
+    assert _generate(llm, lora=["a", "dora", None]) == with_dora
+    # float32 panels: the Python loop's backend fuses the LoRA op into the GEMM
+    llm = LLM(str(hf), lora_paths=adapters, enable_prefix_caching=False)
+    assert not llm.engine.model.native.takes_lora
+    calls = _counting(llm.engine.model, monkeypatch)
+    _generate(llm, lora=["a", None, "a"])
+    assert calls == []
+    _generate(llm)
     assert len(calls) == 11
-    assert with_adapter[1] == base[1]  # the base row's answer, whichever loop ran it
-    assert with_adapter[0] != base[0]
 
 
 def test_sliding_windows_are_run_natively(tmp_path, monkeypatch):
@@ -154,24 +193,25 @@ import sys
 from loraserve import LLM, SamplingParams
 from loraserve.ops.qgemm import qgemm_isa
 assert qgemm_isa() == "avx2"
-llm = LLM(sys.argv[1], quantization="int4", enable_prefix_caching=False)
+llm = LLM(sys.argv[1], quantization="int4", lora_paths={"a": sys.argv[2]},
+          enable_prefix_caching=False)
 model = llm.engine.model
-assert model.native is not None
+assert model.native is not None and model.native.takes_lora
 sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
 prompts = [[5, 9, 13, 200, 17, 3, 44], [7, 8]]
-def run():
-    return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, sp)]
-native = run()
+def run(lora):
+    return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, sp, lora=lora)]
+native = run(None), run(["a", None])
 model.native = None
-assert run() == native
+assert (run(None), run(["a", None])) == native
 print("equal")
 """
 
 
 def test_native_loop_on_an_avx2_build(llama):
-    hf, _ = llama
+    hf, adapter = llama
     env = {**os.environ, "LORASERVE_CPU_ARCH": "x86-64-v3"}
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", AVX2_CHECK, str(hf)], env=env, cwd=root,
+    out = subprocess.run([sys.executable, "-c", AVX2_CHECK, str(hf), str(adapter)], env=env, cwd=root,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "equal" in out.stdout, out.stderr[-3000:]

@@ -38,6 +38,7 @@ from loraserve.lora.extras import (
     head_with_extras,
 )
 from loraserve.lora.layout import GROUP_NAMES
+from loraserve.ops.native_lora import NativeLoraStep
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,11 @@ class LoraBackend(ABC):
         y = linear(x)
         self.apply(plan, layer, group, x, y)
         return y
+
+    def native_step(self, plan: LoraPlan) -> NativeLoraStep | None:
+        """The plan's op as a loop in C calls it (ops/native_lora.py); None: this backend
+        has no such view, or the plan needs more than B @ A (extras)."""
+        return None
 
     def step(self, plan: LoraPlan | None) -> LoraStep | None:
         """The model's LoRA hook for a step with this plan (None: a base-only step)."""
@@ -132,6 +138,10 @@ class LoraStep:
         segs = [(a, b, ext.experts[layer]) for _, a, b, ext in self.plan.extras
                 if ext.experts and ext.experts[layer] is not None and b > a]
         return expert_runs(segs, token_of_row, bounds) if segs else None
+
+    def native(self) -> NativeLoraStep | None:
+        """The step's op for the C decode loop (model/native_decode.c), or None."""
+        return self.backend.native_step(self.plan)
 
     def embed(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """The embedding lookup of ids [T] in table [V, d], with adapters' vocabulary parts."""

@@ -11,6 +11,7 @@ its arithmetic."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 
 import torch
@@ -18,6 +19,8 @@ import torch
 from loraserve.lora import gemm_lora_cpu, sgmv_cpu
 from loraserve.lora.backends.base import LoraBackend, LoraPlan
 from loraserve.lora.batch import LoraBatch, SlotWeights
+from loraserve.lora.layout import padded_rank
+from loraserve.ops.native_lora import NativeLoraStep, pack_step, weight_table
 
 # Segments at least this long on average take the expand fused into the GEMM's tiles; shorter
 # ones (decode) the interleaved op: there a segment's own tiles would be too short for the
@@ -56,6 +59,7 @@ class CpuKernelLoraBackend(LoraBackend):
         self.fusable = {g for g, lay in weights.layouts.items()
                         if unit and weights.tile_width % unit == 0
                         and all(d % unit == 0 for d in lay.d_outs)}
+        self._native_tables: torch.Tensor | None = None  # built on first use (native_step)
 
     def plan_group(self, batch: LoraBatch, group: str,
                    segments: list[tuple[int, int, int, int]]) -> KernelPlan:
@@ -91,6 +95,22 @@ class CpuKernelLoraBackend(LoraBackend):
         else:
             return super().project(plan, layer, group, x, linear)
         return super().project(plan, layer, group, x, linear) if y is None else y
+
+    def native_step(self, plan: LoraPlan) -> NativeLoraStep | None:
+        """The same lora_sgmv calls `apply_group` makes, for the C decode loop to make."""
+        if plan.extras or self.weights.device.type != "cpu":
+            return None
+        if self._native_tables is None:
+            self._native_tables = weight_table(self.weights.A, self.weights.B)
+        tables = self._native_tables
+        if tables is None:
+            return None
+        A, B = self.weights.A[0], self.weights.B[0]
+        groups = {g: (segs, parts, A[g].stride(0), B[g].stride(0), self.weights.layouts[g].d_in)
+                  for g, (segs, parts, _, _) in plan.groups.items()}
+        ldt = padded_rank(max(data[2] for data in plan.groups.values()))
+        fn = ctypes.cast(self.kernel.lora_sgmv, ctypes.c_void_p).value
+        return pack_step(fn, self.weights.tile_width, ldt, tables, groups)
 
     def apply_group(self, plan: KernelPlan, group_A: torch.Tensor, group_B: torch.Tensor,
                     x: torch.Tensor, y: torch.Tensor) -> None:
