@@ -212,6 +212,6 @@ def test_native_loop_on_an_avx2_build(llama):
     hf, adapter = llama
     env = {**os.environ, "LORASERVE_CPU_ARCH": "x86-64-v3"}
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", AVX2_CHECK, str(hf), str(adapter)], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", AVX2_CHECK, str(hf), str(adapter)], env=env,
+                         cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "equal" in out.stdout, out.stderr[-3000:]

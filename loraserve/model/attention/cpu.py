@@ -1,15 +1,17 @@
-"""Attention on CPU: decodes on the C paged kernel, prefills on torch's SDPA.
+"""Attention on CPU: decodes on the C paged kernel, prompts and chunks on the C prefill kernel.
 
 Decodes (one new token each) read their context where it lies in the KV blocks
-(paged_decode.c). A fresh prompt attends to its own new K/V directly; a chunk or a prompt
-with cached context gathers that context a whole block at a time (rows of block_size *
-kv_heads * hd floats: a few long copies instead of one short copy per token) for SDPA.
-Without a C compiler, or with LORASERVE_PAGED_DECODE=0, decodes take the gather + SDPA path
-too.
+(paged_decode.c). A prompt or chunk goes to prefill_attention.c: a fresh prompt attends to
+its own new K/V in this step's rows, a later chunk to its context in the cache. Without a C
+compiler, for shapes or dtypes the kernels do not take, and with LORASERVE_PAGED_DECODE=0 /
+LORASERVE_PREFILL_ATTENTION=0, the other path runs torch's SDPA: a fresh prompt on its own
+K/V, a chunk or a prompt with cached context on its context gathered a whole block at a time
+(rows of block_size * kv_heads * hd floats: a few long copies instead of one short copy per
+token).
 
 A sliding window is a mask (built once per step and window, shared by the layers that have
 it); soft-capped scores (Gemma 2) cannot go through SDPA, so those layers compute the same
-softmax explicitly, as transformers' eager attention does.
+softmax explicitly, as transformers' eager attention does. Both take the torch path.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import torch.nn.functional as F
 from loraserve.model.attention.base import AttentionBackend, AttentionSeq
 from loraserve.model.attention.paged_decode import load as load_paged_decode
 from loraserve.model.attention.paged_decode import paged_decode
+from loraserve.model.attention.prefill_attention import load as load_prefill_attention
+from loraserve.model.attention.prefill_attention import prefill_attention
 
 
 @dataclass
@@ -51,11 +55,15 @@ class CpuAttentionMetadata:
 
 
 class CpuAttention(AttentionBackend):
-    def __init__(self, block_size: int, device, paged_decode_kernel: bool | None = None):
+    def __init__(self, block_size: int, device, paged_decode_kernel: bool | None = None,
+                 prefill_kernel: bool | None = None):
         super().__init__(block_size, device)
         if paged_decode_kernel is None:
             paged_decode_kernel = os.environ.get("LORASERVE_PAGED_DECODE", "1") != "0"
+        if prefill_kernel is None:
+            prefill_kernel = os.environ.get("LORASERVE_PREFILL_ATTENTION", "1") != "0"
         self.kernel = load_paged_decode() if paged_decode_kernel else None
+        self.prefill_kernel = load_prefill_attention() if prefill_kernel else None
 
     def prepare(self, seqs: Sequence[AttentionSeq]) -> CpuAttentionMetadata:
         bs, dev = self.block_size, self.device
@@ -96,6 +104,9 @@ class CpuAttention(AttentionBackend):
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
         for p in meta.prefills:
+            if not window and not softcap and self._prefill_in_c(p, q, k, v, k_cache, v_cache,
+                                                                 out, scale):
+                continue
             qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, nh, q, hd]
             if p.ctx_blocks is None and not window and not softcap:
                 # Fresh prompt: attend to this step's own K/V, no cache gather.
@@ -138,6 +149,20 @@ class CpuAttention(AttentionBackend):
             return o
         out[rows] = o
         return out
+
+    def _prefill_in_c(self, p: PrefillSeq, q, k, v, k_cache, v_cache, out,
+                      scale: float) -> bool:
+        """The chunk's attention by the C kernel, its K/V from this step's rows (a fresh
+        prompt) or the cache (a later chunk; this step's rows are written there already);
+        False where the kernel does not take it."""
+        if self.prefill_kernel is None:
+            return False
+        rows = slice(p.start, p.end)
+        if p.ctx_blocks is None:
+            return prefill_attention(self.prefill_kernel, q[rows], out[rows], p.ctx_len,
+                                     k[rows], v[rows], None, self.block_size, scale)
+        return prefill_attention(self.prefill_kernel, q[rows], out[rows], p.ctx_len, k_cache,
+                                 v_cache, p.ctx_blocks, self.block_size, scale)
 
     def _prefill_mask(self, p: PrefillSeq, window: int, device) -> tuple[int, torch.Tensor]:
         q_len = p.end - p.start
