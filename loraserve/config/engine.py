@@ -72,8 +72,9 @@ class EngineConfig:
         None, "LoRA op backend: cpu (C kernel), torch, or triton (GPU); default: "
               "$LORASERVE_LORA_BACKEND, else cpu", LORA_BACKEND_NAMES)
     attention_backend: str | None = knob(
-        None, "attention backend: cpu (C paged decode + SDPA) or triton (GPU); default: the "
-              "device's (cpu on a CPU)", ATTENTION_BACKEND_NAMES)
+        None, "attention backend: cpu (C paged decode and prefill attention; SDPA where they "
+              "do not apply) or triton (GPU); default: the device's (cpu on a CPU)",
+        ATTENTION_BACKEND_NAMES)
     allow_pickle_adapters: bool = knob(
         False, "also read adapter_model.bin (pickle: can run code from the file)")
     kv_cache_tokens: int | None = knob(

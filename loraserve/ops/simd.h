@@ -110,6 +110,26 @@ SIMD_INLINE f32x8 f32x8_fma(f32x8 a, f32x8 b, f32x8 c) { return c + a * b; }
 SIMD_INLINE f32x8 f32x8_fnma(f32x8 a, f32x8 b, f32x8 c) { return c - a * b; }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* exp(x) for x <= 0 (scores minus their max, in the attention kernels): 2^n * poly(r),
+ * r = x - n ln2, |r| <= ln2 / 2; relative error ~2e-7 */
+SIMD_INLINE f32x8 f32x8_exp_nonpositive(f32x8 x) {
+    x = f32x8_max(x, f32x8_set1(-87.0f)); /* below: 2^n would leave the normals */
+    const f32x8 n = f32x8_round(f32x8_mul(x, f32x8_set1(1.44269504f)));
+    f32x8 r = f32x8_fnma(n, f32x8_set1(0.693145752f), x);
+    r = f32x8_fnma(n, f32x8_set1(1.42860677e-6f), r);
+    f32x8 y = f32x8_set1(1.f / 5040);
+    y = f32x8_fma(y, r, f32x8_set1(1.f / 720));
+    y = f32x8_fma(y, r, f32x8_set1(1.f / 120));
+    y = f32x8_fma(y, r, f32x8_set1(1.f / 24));
+    y = f32x8_fma(y, r, f32x8_set1(1.f / 6));
+    y = f32x8_fma(y, r, f32x8_set1(0.5f));
+    y = f32x8_fma(y, r, f32x8_set1(1.f));
+    y = f32x8_fma(y, r, f32x8_set1(1.f));
+    return f32x8_mul(y, f32x8_exp2i(n));
+}
+#endif
+
 /* ---- f32x16 (AVX-512) -------------------------------------------------------------------- */
 
 #ifdef __AVX512F__

@@ -1,5 +1,6 @@
 """Attention backends over the paged KV cache; one is chosen by name when the engine starts:
-`cpu` (C paged decode + SDPA) and `triton` (GPUs; on a CPU only under TRITON_INTERPRET=1)."""
+`cpu` (C paged decode and prefill attention) and `triton` (GPUs; on a CPU only under
+TRITON_INTERPRET=1)."""
 
 from loraserve.model.attention.base import AttentionBackend, AttentionSeq
 from loraserve.model.attention.cpu import CpuAttention

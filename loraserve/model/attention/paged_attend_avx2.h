@@ -12,23 +12,7 @@
 #include "../../ops/simd.h"
 #include "../../ops/tuning.h"
 #include "paged_rows.h"
-
-/* exp(x) for x <= 0 (scores minus their max): 2^n * poly(r), r = x - n ln2, |r| <= ln2 / 2. */
-static inline f32x8 exp_neg(f32x8 x) {
-    x = f32x8_max(x, f32x8_set1(-87.0f)); /* below: 2^n would leave the normals */
-    const f32x8 n = f32x8_round(f32x8_mul(x, f32x8_set1(1.44269504f)));
-    f32x8 r = f32x8_fnma(n, f32x8_set1(0.693145752f), x);
-    r = f32x8_fnma(n, f32x8_set1(1.42860677e-6f), r);
-    f32x8 y = f32x8_set1(1.f / 5040);
-    y = f32x8_fma(y, r, f32x8_set1(1.f / 720));
-    y = f32x8_fma(y, r, f32x8_set1(1.f / 120));
-    y = f32x8_fma(y, r, f32x8_set1(1.f / 24));
-    y = f32x8_fma(y, r, f32x8_set1(1.f / 6));
-    y = f32x8_fma(y, r, f32x8_set1(0.5f));
-    y = f32x8_fma(y, r, f32x8_set1(1.f));
-    y = f32x8_fma(y, r, f32x8_set1(1.f));
-    return f32x8_mul(y, f32x8_exp2i(n));
-}
+#include "softmax_avx2.h"
 
 static inline __attribute__((always_inline)) void attend_avx2(
         const float *qh, float *o, const float *kbase, const float *vbase, const int64_t *table,
@@ -109,19 +93,7 @@ static inline __attribute__((always_inline)) void attend_avx2(
         float *pg = p + hg * n, m8[8], mx = -INFINITY;
         f32x8_store(m8, vmax[hg]);
         for (int j = 0; j < 8; j++) mx = m8[j] > mx ? m8[j] : mx;
-        const f32x8 vmx = f32x8_set1(mx);
-        f32x8 vsum = f32x8_zero();
-        int64_t t = 0;
-        for (; t + 8 <= n; t += 8) {
-            const f32x8 e = exp_neg(f32x8_sub(f32x8_load(pg + t), vmx));
-            f32x8_store(pg + t, e);
-            vsum = f32x8_add(vsum, e);
-        }
-        float s8[8], sum = 0.f;
-        f32x8_store(s8, vsum);
-        for (int j = 0; j < 8; j++) sum += s8[j];
-        for (; t < n; t++) sum += (pg[t] = expf(pg[t] - mx));
-        const f32x8 inv = f32x8_set1(1.f / sum);
+        const f32x8 inv = f32x8_set1(1.f / exp_shifted_sum(pg, n, mx));
         /* weighted sum of V, 64 dims at a time so the 8 accumulators stay in registers; the
          * first head's pass brings the rows into cache for the others */
         for (int64_t d0 = 0; d0 < HD; d0 += 64) {

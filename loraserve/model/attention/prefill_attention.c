@@ -41,24 +41,7 @@ static inline int64_t row_of(const int64_t *table, int64_t t, int64_t block_size
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-
-/* exp(x) for x <= 0 (scores minus their max): 2^n * poly(r), r = x - n ln2, |r| <= ln2 / 2
- * (the paged decode kernel's, paged_attend_avx2.h). */
-static inline f32x8 exp_nonpositive(f32x8 x) {
-    x = f32x8_max(x, f32x8_set1(-87.0f));
-    const f32x8 n = f32x8_round(f32x8_mul(x, f32x8_set1(1.44269504f)));
-    f32x8 r = f32x8_fnma(n, f32x8_set1(0.693145752f), x);
-    r = f32x8_fnma(n, f32x8_set1(1.42860677e-6f), r);
-    f32x8 y = f32x8_set1(1.f / 5040);
-    y = f32x8_fma(y, r, f32x8_set1(1.f / 720));
-    y = f32x8_fma(y, r, f32x8_set1(1.f / 120));
-    y = f32x8_fma(y, r, f32x8_set1(1.f / 24));
-    y = f32x8_fma(y, r, f32x8_set1(1.f / 6));
-    y = f32x8_fma(y, r, f32x8_set1(0.5f));
-    y = f32x8_fma(y, r, f32x8_set1(1.f));
-    y = f32x8_fma(y, r, f32x8_set1(1.f));
-    return f32x8_mul(y, f32x8_exp2i(n));
-}
+#include "softmax_avx2.h"
 
 /* Scores of the tile's query vectors (qv[j], hd floats each) against tokens [0, len) of one kv
  * head, K transposed in kt ([HD][ldk]): p[j][t] = scale * q_j . k_t, 16 tokens a pass. Always
@@ -94,18 +77,8 @@ static float softmax_row(float *p, int64_t len, int64_t upto) {
     f32x8_store(m8, vmax);
     for (int j = 0; j < 8; j++) mx = m8[j] > mx ? m8[j] : mx;
     for (; t < len; t++) mx = p[t] > mx ? p[t] : mx;
-    const f32x8 vmx = f32x8_set1(mx);
-    f32x8 vsum = f32x8_zero();
-    for (t = 0; t + 8 <= len; t += 8) {
-        const f32x8 e = exp_nonpositive(f32x8_sub(f32x8_load(p + t), vmx));
-        f32x8_store(p + t, e);
-        vsum = f32x8_add(vsum, e);
-    }
-    float s8[8], sum = 0.f;
-    f32x8_store(s8, vsum);
-    for (int j = 0; j < 8; j++) sum += s8[j];
-    for (; t < len; t++) sum += (p[t] = expf(p[t] - mx));
-    for (; t < upto; t++) p[t] = 0.f;
+    const float sum = exp_shifted_sum(p, len, mx);
+    for (t = len; t < upto; t++) p[t] = 0.f;
     return 1.f / sum;
 }
 
