@@ -6,7 +6,8 @@ one C call over float32 panels or quantized weights.
 - it runs exactly on the steps it fits (decodes only; adapters only over quantized weights
   and plain LoRA) and leaves the others to the Python loop;
 - with adapters it adds the same deltas as the Python loop, bit for bit, rows of several
-  adapters of different ranks and targets and base rows in one step;
+  adapters of different ranks and targets and base rows in one step, float32 and bf16
+  adapter weights;
 - a step of few rows over quantized panels runs in one OpenMP team, and gives the same bits
   as with a team per kernel;
 - models it cannot run (oneDNN's float weights, extra norms) do not get it;
@@ -127,11 +128,13 @@ def adapters(llama, tmp_path_factory):
     return {"a": str(first), "wide": str(root / "wide"), "dora": str(root / "dora")}
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_adapter_steps_over_quantized_weights_run_natively(llama, adapters, scheme,
+@pytest.mark.parametrize("scheme,lora_dtype", [("int8", "float32"), ("int4", "float32"),
+                                               ("int8", "bfloat16")])
+def test_adapter_steps_over_quantized_weights_run_natively(llama, adapters, scheme, lora_dtype,
                                                            monkeypatch):
     hf, _ = llama
-    llm = LLM(str(hf), quantization=scheme, lora_paths=adapters, enable_prefix_caching=False)
+    llm = LLM(str(hf), quantization=scheme, lora_paths=adapters, lora_dtype=lora_dtype,
+              enable_prefix_caching=False)
     model = llm.engine.model
     assert model.native.takes_lora
     calls = _counting(model, monkeypatch)
