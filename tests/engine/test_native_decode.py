@@ -1,5 +1,5 @@
-"""The native decode loop (model/native_decode.py): a decode-only, base-only step's layers in
-one C call over float32 panels or quantized weights.
+"""The native decode loop (model/native_decode.py): a decode-only step's layers in one C
+call over float32 panels or quantized weights, adapters' LoRA kernel included.
 
 - it computes what the model's Python loop computes, bit for bit (token ids and logprobs of
   a batch decoded with it and without it are equal), with and without sliding windows;
