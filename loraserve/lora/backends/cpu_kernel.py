@@ -108,7 +108,7 @@ class CpuKernelLoraBackend(LoraBackend):
         A, B = self.weights.A[0], self.weights.B[0]
         groups = {g: (segs, parts, A[g].stride(0), B[g].stride(0), self.weights.layouts[g].d_in)
                   for g, (segs, parts, _, _) in plan.groups.items()}
-        ldt = padded_rank(max(data[2] for data in plan.groups.values()))
+        ldt = padded_rank(max((data[2] for data in plan.groups.values()), default=1))
         fn = ctypes.cast(self.kernel.lora_sgmv, ctypes.c_void_p).value
         return pack_step(fn, self.weights.tile_width, ldt, tables, groups)
 
