@@ -26,7 +26,6 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "../../ops/simd.h"
 #include "paged_rows.h" /* slot_of, token_cursor */
