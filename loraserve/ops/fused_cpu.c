@@ -8,7 +8,7 @@
  * Why: torch runs each of these as 3-6 separate kernels (rms_norm alone is pow, mean, add,
  * rsqrt, mul, mul), each a pass over [T, d] and a dispatch from Python: a visible share of a
  * long prefill step beside the GEMMs (docs/cpu-kernels.md). Rows are split over OpenMP threads
- * when there is enough work. Rows have unit stride within; row strides are arguments, so
+ * when there is enough work (ON_ONE_THREAD). Rows have unit stride within; row strides are arguments, so
  * views of the fused qkv / gate_up outputs are read in place.
  * Built with -ffp-contract=off: the adds and products round as torch's do (rope and the
  * residual add give torch's bits; the norm's sum and silu's exp differ in the last bit).
@@ -20,7 +20,10 @@
 #include "simd.h"
 #include "tuning.h"
 
-#define PAR_MIN_ELEMS ELEMWISE_PARALLEL_MIN
+/* Work of fewer elements runs on the calling thread, outside any parallel region: an
+ * `omp parallel if (false)` still sets up a team of one, and inside the native decode loop's
+ * team (a nested region) that cost more than a batch-1 row's norm itself. */
+#define ON_ONE_THREAD(elems) ((elems) < ELEMWISE_PARALLEL_MIN)
 
 static inline float row_rstd(const float *x, int64_t d, float eps) {
     float acc[16] = {0};
@@ -33,34 +36,44 @@ static inline float row_rstd(const float *x, int64_t d, float eps) {
     return 1.f / sqrtf(s / (float)d + eps);
 }
 
+static inline void rms_norm_row(const float *xr, const float *w, float *o, int64_t d,
+                                float eps) {
+    const float r = row_rstd(xr, d, eps);
+    for (int64_t i = 0; i < d; i++) o[i] = xr[i] * r * w[i];
+}
+
 void rms_norm(const float *x, int64_t ldx, const float *w, float *out, int64_t ldo, int64_t T,
               int64_t d, float eps, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) if (T * d >= PAR_MIN_ELEMS)
-    for (int64_t t = 0; t < T; t++) {
-        const float *xr = x + t * ldx;
-        float *o = out + t * ldo;
-        const float r = row_rstd(xr, d, eps);
-        for (int64_t i = 0; i < d; i++) o[i] = xr[i] * r * w[i];
+    if (ON_ONE_THREAD(T * d)) {
+        for (int64_t t = 0; t < T; t++) rms_norm_row(x + t * ldx, w, out + t * ldo, d, eps);
+        return;
     }
+#pragma omp parallel for num_threads(nthreads)
+    for (int64_t t = 0; t < T; t++) rms_norm_row(x + t * ldx, w, out + t * ldo, d, eps);
+}
+
+/* w may be NULL: h is updated and nothing else is written. */
+static inline void add_rms_norm_row(float *hr, const float *rr, float alpha, const float *w,
+                                    float *o, int64_t d, float eps) {
+    if (alpha == 1.f)
+        for (int64_t i = 0; i < d; i++) hr[i] = hr[i] + rr[i];
+    else
+        for (int64_t i = 0; i < d; i++) hr[i] = hr[i] + alpha * rr[i];
+    if (w) rms_norm_row(hr, w, o, d, eps);
 }
 
 /* w may be NULL: h is updated and nothing else is written. */
 void add_rms_norm(float *h, int64_t ldh, const float *r, int64_t ldr, float alpha,
                   const float *w, float *out, int64_t ldo, int64_t T, int64_t d, float eps,
                   int nthreads) {
-#pragma omp parallel for num_threads(nthreads) if (T * d >= PAR_MIN_ELEMS)
-    for (int64_t t = 0; t < T; t++) {
-        float *hr = h + t * ldh;
-        const float *rr = r + t * ldr;
-        if (alpha == 1.f)
-            for (int64_t i = 0; i < d; i++) hr[i] = hr[i] + rr[i];
-        else
-            for (int64_t i = 0; i < d; i++) hr[i] = hr[i] + alpha * rr[i];
-        if (!w) continue;
-        float *o = out + t * ldo;
-        const float rs = row_rstd(hr, d, eps);
-        for (int64_t i = 0; i < d; i++) o[i] = hr[i] * rs * w[i];
+    if (ON_ONE_THREAD(T * d)) {
+        for (int64_t t = 0; t < T; t++)
+            add_rms_norm_row(h + t * ldh, r + t * ldr, alpha, w, out + t * ldo, d, eps);
+        return;
     }
+#pragma omp parallel for num_threads(nthreads)
+    for (int64_t t = 0; t < T; t++)
+        add_rms_norm_row(h + t * ldh, r + t * ldr, alpha, w, out + t * ldo, d, eps);
 }
 
 /* exp(r) for |r| <= ln2/2: degree-7 Taylor (Horner), for a float or a vector of floats. */
@@ -95,37 +108,52 @@ static inline f32x8 exp8(f32x8 x) {
 }
 #endif
 
+static inline void silu_mul_row(const float *g, float *o, int64_t inter) {
+    const float *u = g + inter;
+    int64_t i = 0;
+#ifdef HAVE_EXP8
+    for (; i + 8 <= inter; i += 8) {
+        const f32x8 gv = f32x8_load(g + i), uv = f32x8_load(u + i);
+        f32x8_store(o + i, gv / (1.f + exp8(-gv)) * uv);
+    }
+#endif
+    for (; i < inter; i++) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+}
+
 void silu_mul(const float *gu, int64_t ldg, float *out, int64_t ldo, int64_t T, int64_t inter,
               int nthreads) {
-#pragma omp parallel for num_threads(nthreads) if (T * inter >= PAR_MIN_ELEMS)
-    for (int64_t t = 0; t < T; t++) {
-        const float *g = gu + t * ldg, *u = g + inter;
-        float *o = out + t * ldo;
-        int64_t i = 0;
-#ifdef HAVE_EXP8
-        for (; i + 8 <= inter; i += 8) {
-            const f32x8 gv = f32x8_load(g + i), uv = f32x8_load(u + i);
-            f32x8_store(o + i, gv / (1.f + exp8(-gv)) * uv);
-        }
-#endif
-        for (; i < inter; i++) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+    if (ON_ONE_THREAD(T * inter)) {
+        for (int64_t t = 0; t < T; t++) silu_mul_row(gu + t * ldg, out + t * ldo, inter);
+        return;
     }
+#pragma omp parallel for num_threads(nthreads)
+    for (int64_t t = 0; t < T; t++) silu_mul_row(gu + t * ldg, out + t * ldo, inter);
 }
 
 /* x: [T, heads, hd] at row stride ldx (heads adjacent, hd unit stride); cos/sin: [P, hd]. */
-void rope(float *x, int64_t ldx, int64_t T, int64_t heads, int64_t hd, const int64_t *positions,
-          const float *cos_t, const float *sin_t, int nthreads) {
+/* one token's heads, rotated by the table rows c and s of its position */
+static inline void rope_row(float *x, int64_t heads, int64_t hd, const float *c,
+                            const float *s) {
     const int64_t half = hd / 2;
-#pragma omp parallel for num_threads(nthreads) if (T * heads * hd >= PAR_MIN_ELEMS)
-    for (int64_t t = 0; t < T; t++) {
-        const float *c = cos_t + positions[t] * hd, *s = sin_t + positions[t] * hd;
-        for (int64_t h = 0; h < heads; h++) {
-            float *a = x + t * ldx + h * hd, *b = a + half;
-            for (int64_t i = 0; i < half; i++) {
-                const float x1 = a[i], x2 = b[i];
-                a[i] = x1 * c[i] + (-x2) * s[i];
-                b[i] = x2 * c[half + i] + x1 * s[half + i];
-            }
+    for (int64_t h = 0; h < heads; h++) {
+        float *a = x + h * hd, *b = a + half;
+        for (int64_t i = 0; i < half; i++) {
+            const float x1 = a[i], x2 = b[i];
+            a[i] = x1 * c[i] + (-x2) * s[i];
+            b[i] = x2 * c[half + i] + x1 * s[half + i];
         }
     }
+}
+
+void rope(float *x, int64_t ldx, int64_t T, int64_t heads, int64_t hd, const int64_t *positions,
+          const float *cos_t, const float *sin_t, int nthreads) {
+#define ROPE_ROW(t) rope_row(x + (t) * ldx, heads, hd, cos_t + positions[t] * hd, \
+                             sin_t + positions[t] * hd)
+    if (ON_ONE_THREAD(T * heads * hd)) {
+        for (int64_t t = 0; t < T; t++) ROPE_ROW(t);
+        return;
+    }
+#pragma omp parallel for num_threads(nthreads)
+    for (int64_t t = 0; t < T; t++) ROPE_ROW(t);
+#undef ROPE_ROW
 }
