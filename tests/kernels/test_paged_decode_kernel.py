@@ -77,3 +77,34 @@ def test_kernel_shares_out_uneven_sequences(n, max_len, hd):
         torch.set_num_threads(threads)
     want = reference(q, k, v, tables, lens, bs, hd**-0.5, 0, 0.0)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("n,threads", [(1, 2), (1, 3), (2, 2), (2, 3)])
+@pytest.mark.parametrize("hd", [64, 12])
+def test_few_sequences_share_query_heads_bit_for_bit(n, threads, hd):
+    """With fewer (sequence, kv head) items than the team can share evenly, the work items are
+    query heads: runs of them cut across kv heads (9 query heads over 3 kv heads on 2 or 3
+    threads). Each head's values are the one-thread run's, bit for bit."""
+    lib = load()
+    if lib is None:
+        pytest.fail("the paged decode kernel did not build (gcc is a test dependency)")
+    g = torch.Generator().manual_seed(n * 10 + threads)
+    nh, kvh, bs, max_len = 9, 3, 16, 4000  # long enough for the kernel to start a team
+    lens = torch.tensor([max_len, 3000][:n])
+    nb = -(-max_len // bs)
+    k = torch.randn(n * nb * bs, kvh, hd, generator=g)
+    v = torch.randn(n * nb * bs, kvh, hd, generator=g)
+    tables = torch.randperm(n * nb, generator=g).view(n, nb).contiguous()
+    q = torch.randn(n, nh, hd, generator=g)
+    outs = []
+    before = torch.get_num_threads()
+    try:
+        for t in (1, threads):
+            torch.set_num_threads(t)
+            outs.append(torch.full_like(q, float("nan")))
+            paged_decode(lib, q, outs[-1], torch.arange(n), k, v, tables, lens, bs, hd**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+    want = reference(q, k, v, tables, lens, bs, hd**-0.5, 0, 0.0)
+    torch.testing.assert_close(outs[1], want, atol=2e-5, rtol=1e-4)

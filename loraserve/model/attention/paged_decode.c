@@ -10,7 +10,7 @@
  * [n, table_stride] (block ids), lens int64 [n] (context length, the new token included: its
  * K/V are already written). Query head j reads kv head j / (nh / kvh) (grouped-query attention,
  * as transformers' repeat_kv). softcap > 0 caps each scaled score as softcap * tanh(s /
- * softcap) (Gemma 2). Work items are (sequence, kv head) pairs; each OpenMP thread takes a
+ * softcap) (Gemma 2). Work items are (sequence, kv head) pairs (query heads when few); each thread takes a
  * contiguous range of them and fetches its next item's rows into L2 while it runs this one
  * (docs/cpu-kernels.md). Returns 0, or -1 if scratch memory cannot be had.
  *
@@ -74,7 +74,8 @@ typedef struct {
     const int64_t *rows, *tables, *lens;
     float *out;
     int64_t q_stride, out_stride, table_stride, n, nh, kvh, hd, block_size, window;
-    int64_t max_len, H, items;
+    int64_t max_len, H, per_seq, items; /* per_seq: work items a sequence is split into */
+    int split; /* items are query heads, not kv heads (few sequences) */
     float scale, softcap;
 } attn_call_t;
 
@@ -91,22 +92,29 @@ static attn_call_t attn_call(const float *q, int64_t q_stride, const int64_t *ro
      * out: a token's row of every head is then read whole (the hardware fetches neighbouring
      * lines anyway; reading one head's slice per pass fetched the row kvh times). */
     const int64_t H = n >= ATTN_SEQS_PER_THREAD * (int64_t)nthreads ? kvh : 1;
+    /* With fewer (sequence, kv head) items than ATTN_SEQS_PER_THREAD a thread, whole kv
+     * heads share out unevenly (a batch-1 step's 3 kv heads on 2 threads: 2 to 1), so the
+     * items are query heads: a thread takes a contiguous run of them, and runs that share
+     * a kv head go through the kernel together, each K row read once per run. */
+    const int split = H == 1 && nh > kvh && n * kvh < ATTN_SEQS_PER_THREAD * (int64_t)nthreads;
+    const int64_t per_seq = split ? nh : kvh / H;
     return (attn_call_t){.q = q, .k_cache = k_cache, .v_cache = v_cache, .rows = rows,
                          .tables = tables, .lens = lens, .out = out, .q_stride = q_stride,
                          .out_stride = out_stride, .table_stride = table_stride, .n = n,
                          .nh = nh, .kvh = kvh, .hd = hd, .block_size = block_size,
-                         .window = window, .max_len = max_len, .H = H, .items = n * (kvh / H),
-                         .scale = scale, .softcap = softcap};
+                         .window = window, .max_len = max_len, .H = H, .per_seq = per_seq,
+                         .items = n * per_seq, .split = split, .scale = scale, .softcap = softcap};
 }
 
-/* Work item w: its sequence's context [t_begin, L) and the place of its kv heads. */
+/* Work item w: its sequence's context [t_begin, L) and its first kv head (split: its query
+ * head). */
 typedef struct {
     int64_t i, h, L, t_begin;
 } item_t;
 
 static inline item_t item_of(const attn_call_t *c, int64_t w) {
-    const int64_t i = w / (c->kvh / c->H), L = c->lens[i];
-    return (item_t){i, w % (c->kvh / c->H) * c->H, L,
+    const int64_t i = w / c->per_seq, L = c->lens[i];
+    return (item_t){i, w % c->per_seq * (c->split ? 1 : c->H), L,
                     c->window > 0 && L > c->window ? L - c->window : 0};
 }
 
@@ -147,16 +155,23 @@ static void attend_items(const attn_call_t *c, int *failed) {
     int64_t w0, w1;
     my_items(c, &w0, &w1);
     int fetched = 0; /* this item fetched whole by the one before it: no fetches of its own */
-    for (int64_t w = w0; p && w < w1; w++) {
+    for (int64_t w = w0, run; p && w < w1; w += run) {
         const item_t it = item_of(c, w);
-        const int64_t i = it.i, h = it.h, L = it.L, t_begin = it.t_begin;
-        const float *qh = c->q + c->rows[i] * c->q_stride + h * G * hd; /* H * G query heads */
-        float *o = c->out + c->rows[i] * c->out_stride + h * G * hd;
+        const int64_t i = it.i, L = it.L, t_begin = it.t_begin;
+        /* split: this run of query heads of one kv head (Gr of them) as one item */
+        int64_t Gr = G, h = it.h, q0 = it.h * G;
+        run = 1;
+        if (c->split) {
+            while (w + run < w1 && (it.h + run) % c->nh && (it.h + run) / G == it.h / G) run++;
+            Gr = run, h = it.h / G, q0 = it.h;
+        }
+        const float *qh = c->q + c->rows[i] * c->q_stride + q0 * hd; /* H * Gr query heads */
+        float *o = c->out + c->rows[i] * c->out_stride + q0 * hd;
         const float *kb = c->k_cache + h * hd, *vb = c->v_cache + h * hd;
         const int64_t *table = c->tables + i * c->table_stride;
         item_fetch next = {.lines = 0};
         int next_whole = 0;
-        if (w + 1 < w1) {
+        if (w + run < w1 && !c->split) {
             const item_t nx = item_of(c, w + 1);
             const int64_t lines = (nx.L - nx.t_begin) * 2 * lpr;
             next = (item_fetch){cursor_at(c->tables + nx.i * c->table_stride, nx.t_begin, bs,
@@ -167,19 +182,20 @@ static void attend_items(const attn_call_t *c, int *failed) {
         }
 #ifdef HAVE_AVX2
         if (hd == 64)
-            attend_avx2(qh, o, kb, vb, table, t_begin, L, H, G, 64, tok_stride, bs, c->scale,
+            attend_avx2(qh, o, kb, vb, table, t_begin, L, H, Gr, 64, tok_stride, bs, c->scale,
                         c->softcap, p, fetched, &next);
         else if (hd == 128)
-            attend_avx2(qh, o, kb, vb, table, t_begin, L, H, G, 128, tok_stride, bs, c->scale,
+            attend_avx2(qh, o, kb, vb, table, t_begin, L, H, Gr, 128, tok_stride, bs, c->scale,
                         c->softcap, p, fetched, &next);
         else if (hd % 8 == 0)
-            attend_avx2(qh, o, kb, vb, table, t_begin, L, H, G, hd, tok_stride, bs, c->scale,
+            attend_avx2(qh, o, kb, vb, table, t_begin, L, H, Gr, hd, tok_stride, bs, c->scale,
                         c->softcap, p, fetched, &next);
         else
 #endif
             for (int64_t j = 0; j < H; j++)
-                attend_scalar(qh + j * G * hd, o + j * G * hd, kb + j * hd, vb + j * hd, table,
-                              t_begin, L, G, hd, tok_stride, bs, c->scale, c->softcap, p);
+                attend_scalar(qh + j * Gr * hd, o + j * Gr * hd, kb + j * hd, vb + j * hd,
+                              table, t_begin, L, Gr, hd, tok_stride, bs, c->scale, c->softcap,
+                              p);
         fetched = next_whole;
     }
     free(p);
