@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from loraserve import LLM, SamplingParams
-from loraserve.model.sampler import sample
+from loraserve.model.sampler import argmax_rows, sample
 from loraserve.types import FinishReason
 
 EOS_IDS = (1, 3)  # tiny model: </s> and <|im_end|> (generation_config.json)
@@ -224,3 +224,17 @@ def test_logprobs_match_hf(llm, tiny_model_dir):
     chosen = llm.generate(prompts[:1], greedy(max_tokens=4, ignore_eos=True, logprobs=0))[0]
     assert chosen.logprobs == pytest.approx(outs[0].logprobs[:4], abs=1e-5)
     assert chosen.top_logprobs is None
+
+
+def test_argmax_rows_is_torch_argmax():
+    """The CPU greedy pick goes through numpy: the same first maximum as torch.argmax, with
+    ties, NaN (counted as the maximum) and rows of -inf, for a batch and for one row."""
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0], [nan, 5.0, nan, 1.0], [-inf] * 4,
+                      [0.0, nan, 9.0, 9.0], [-1.0, -inf, inf, inf]])
+    x = torch.cat([x, torch.randn(3, 4)])
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    for row in x:
+        assert torch.equal(argmax_rows(row), row.argmax())
+    wide = torch.randn(2, 49152)
+    assert torch.equal(argmax_rows(wide), wide.argmax(dim=-1))
