@@ -18,6 +18,7 @@
  * quantized projection; native_decode.py takes such steps only over quantized projections
  * (float32 panels there take the fused decode op instead).
  */
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -150,7 +151,7 @@ static int project_lora(const projection_t *p, int in_team, const lora_step_t *l
 
 /* The step in one OpenMP team: every thread runs the layer loop, the GEMMs and the attention
  * share their work out over the team (their _team entry points), and the element-wise kernels
- * and the K/V write run on one thread. Why: at batch 1 a layer's kernels are a few
+ * and the K/V write take a share of the rows each. Why: at batch 1 a layer's kernels are a few
  * microseconds each, and starting and joining a team per kernel (five a layer) cost a
  * noticeable part of them; a barrier between two threads of a running team costs less. Taken
  * only where every element-wise kernel runs on one thread anyway (few rows), so each kernel
@@ -193,9 +194,10 @@ static step_buffers_t buffers(const model_t *m, int64_t B, float *scratch) {
     return s;
 }
 
-/* the new tokens' K and V into the layer's cache slots */
-static void write_kv(const layer_t *L, const step_buffers_t *s, int64_t B, const int64_t *slots) {
-    for (int64_t t = 0; t < B; t++) {
+/* rows [r0, r1) of the new tokens' K and V into the layer's cache slots */
+static void write_kv(const layer_t *L, const step_buffers_t *s, int64_t r0, int64_t r1,
+                     const int64_t *slots) {
+    for (int64_t t = r0; t < r1; t++) {
         memcpy(L->k_cache + slots[t] * s->kv_size, s->qkv + t * s->ld_qkv + s->q_size,
                4 * s->kv_size);
         memcpy(L->v_cache + slots[t] * s->kv_size, s->qkv + t * s->ld_qkv + s->q_size +
@@ -203,10 +205,19 @@ static void write_kv(const layer_t *L, const step_buffers_t *s, int64_t B, const
     }
 }
 
+/* This thread's rows [*r0, *r1) of B for the element-wise kernels: an even share of a team's
+ * (each row is computed by the same code whoever takes it, so the split changes no bit), all
+ * of them outside a parallel region, where the calling thread is a team of one. */
+static void my_rows(int64_t B, int64_t *r0, int64_t *r1) {
+    const int64_t me = omp_get_thread_num(), team = omp_get_num_threads();
+    *r0 = B * me / team;
+    *r1 = B * (me + 1) / team;
+}
+
 /* The layer loop, on one thread or by every thread of one team (in_team). The element-wise
- * kernels and the K/V write are `omp single`: on one thread of a team; outside a parallel
- * region the calling thread is a team of one and runs them as they stand. Returns as
- * native_decode. */
+ * kernels and the K/V write take each thread's share of the rows (my_rows), then the team's
+ * barrier: with 32 rows they were a tenth of a step on one thread while the others waited.
+ * Returns as native_decode. */
 static int run_layers(const model_t *m, const layer_t *layers, int64_t n_layers, float *h,
                       int64_t B, const int64_t *positions, const int64_t *slots,
                       const int64_t *rows, const int64_t *tables, int64_t table_stride,
@@ -214,19 +225,21 @@ static int run_layers(const model_t *m, const layer_t *layers, int64_t n_layers,
                       int in_team, int *attention_failed, const lora_step_t *lora,
                       float *lora_t) {
     const int64_t d = m->d, nh = m->nh, kvh = m->kvh, hd = m->hd, inter = m->inter;
-#pragma omp single
-    m->rms_norm(h, d, m->first_norm, s->x, d, B, d, m->eps, nthreads);
+    int64_t r0, r1;
+    my_rows(B, &r0, &r1);
+    const int64_t R = r1 - r0;
+    float *hr = h + r0 * d, *xr = s->x + r0 * d, *qkvr = s->qkv + r0 * s->ld_qkv;
+    m->rms_norm(hr, d, m->first_norm, xr, d, R, d, m->eps, nthreads);
+#pragma omp barrier
     for (int64_t li = 0; li < n_layers; li++) {
         const layer_t *L = &layers[li];
         /* a kernel's refusal depends on its arguments alone: every thread sees the same */
         if (project_lora(&L->qkv, in_team, lora, lora_t, li, G_QKV, s->x, d, B, s->qkv, work,
                          nthreads))
             return (int)li + 1;
-#pragma omp single
-        {
-            m->rope(s->qkv, s->ld_qkv, B, nh + kvh, hd, positions, m->cos, m->sin, nthreads);
-            write_kv(L, s, B, slots);
-        }
+        m->rope(qkvr, s->ld_qkv, R, nh + kvh, hd, positions + r0, m->cos, m->sin, nthreads);
+        write_kv(L, s, r0, r1, slots);
+#pragma omp barrier
         const int refused =
             in_team ? m->attention_team(s->qkv, s->ld_qkv, rows, s->a, s->q_size, L->k_cache,
                                         L->v_cache, tables, table_stride, lens, B, nh, kvh, hd,
@@ -239,20 +252,21 @@ static int run_layers(const model_t *m, const layer_t *layers, int64_t n_layers,
         if (project_lora(&L->o, in_team, lora, lora_t, li, G_O, s->a, s->q_size, B, s->o, work,
                          nthreads))
             return (int)li + 1;
-#pragma omp single
-        m->add_rms_norm(h, d, s->o, d, m->residual, L->post_norm, s->x, d, B, d, m->eps,
+        m->add_rms_norm(hr, d, s->o + r0 * d, d, m->residual, L->post_norm, xr, d, R, d, m->eps,
                         nthreads);
+#pragma omp barrier
         if (project_lora(&L->gate_up, in_team, lora, lora_t, li, G_GATE_UP, s->x, d, B, s->gu,
                          work, nthreads))
             return (int)li + 1;
-#pragma omp single
-        m->silu_mul(s->gu, 2 * inter, s->mlp, inter, B, inter, nthreads);
+        m->silu_mul(s->gu + r0 * 2 * inter, 2 * inter, s->mlp + r0 * inter, inter, R, inter,
+                    nthreads);
+#pragma omp barrier
         if (project_lora(&L->down, in_team, lora, lora_t, li, G_DOWN, s->mlp, inter, B, s->o,
                          work, nthreads))
             return (int)li + 1;
-#pragma omp single
-        m->add_rms_norm(h, d, s->o, d, m->residual, L->next_norm, s->x, d, B, d, m->eps,
+        m->add_rms_norm(hr, d, s->o + r0 * d, d, m->residual, L->next_norm, xr, d, R, d, m->eps,
                         nthreads);
+#pragma omp barrier
     }
     return 0;
 }
