@@ -83,7 +83,8 @@ typedef void (*gemm_f32_fn)(const float *x, int64_t ldx, const float *packed, in
 /* One projection: its kernel and that kernel's weight arguments (w, w2, w3 as the kernel
  * names them: quants and scales and offsets, in panels or in dot order; a float32 weight's
  * panels are w, its kind KIND_F32_PANELS and fn a gemm_f32_fn); team_fn the same kernel for
- * callers inside one team (qpanel_gemm_team), or NULL where the kernel has none */
+ * callers inside one team (qpanel_gemm_team, gemm_packed_team), or NULL where the kernel
+ * has none */
 typedef struct {
     gemm_fn fn, team_fn;
     int64_t kind, n, k;

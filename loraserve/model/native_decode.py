@@ -86,9 +86,10 @@ def _projection(linear) -> tuple[_Projection, object] | None:
     if type(linear) is Linear:
         if linear.panels is None:
             return None
-        return (_Projection(_address(gemm_library().gemm_packed), None, F32_PANELS,
-                            linear.out_features, linear.in_features, linear.panels.data_ptr(),
-                            None, None), None)
+        lib = gemm_library()
+        return (_Projection(_address(lib.gemm_packed), _address(lib.gemm_packed_team),
+                            F32_PANELS, linear.out_features, linear.in_features,
+                            linear.panels.data_ptr(), None, None), None)
     if type(linear) is not QuantLinear:
         return None
     if linear.panels_q is not None:

@@ -61,25 +61,52 @@ static void rows_of_unit(const float *a, int64_t lda, int64_t m, const float *b,
 #undef T_
 }
 
+/* unit q (TILE_PANELS panels) of the m rows at x against the packed W */
+static void gemm_unit(const float *x, int64_t ldx, int64_t m, const float *packed, int64_t N,
+                      int64_t K, float *y, int64_t ldy, int64_t q) {
+    const int64_t panels = (N + NR - 1) / NR, units = (panels + TILE_PANELS - 1) / TILE_PANELS;
+    const int64_t p = TILE_PANELS * q;
+    const int64_t nb = panels - p < TILE_PANELS ? panels - p : TILE_PANELS;
+    const int64_t last = p + nb - 1;
+    const int64_t cols = N - last * NR < NR ? N - last * NR : NR;
+    rows_of_unit(x, ldx, m, packed + p * K * NR, K, y + p * NR, ldy, cols, (int)nb,
+                 q + 1 < units);
+}
+
+#define GEMM_UNITS(N) ((((N) + NR - 1) / NR + TILE_PANELS - 1) / TILE_PANELS)
+
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T, W packed by gemm_pack. */
 void gemm_packed(const float *x, int64_t ldx, const float *packed, int64_t M, int64_t N,
                  int64_t K, float *y, int64_t ldy, int nthreads) {
-    const int64_t panels = (N + NR - 1) / NR, units = (panels + TILE_PANELS - 1) / TILE_PANELS;
     int64_t blocks;
-    const int64_t mc = gemm_block_rows(M, K, &blocks);
+    const int64_t mc = gemm_block_rows(M, K, &blocks), units = GEMM_UNITS(N);
     const int parallel = M * N * K >= GEMM_PARALLEL_MIN;
     for (int64_t m0 = 0; m0 < M; m0 += mc) {
         const int64_t m = M - m0 < mc ? M - m0 : mc;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (parallel)
-        for (int64_t q = 0; q < units; q++) {
-            const int64_t p = TILE_PANELS * q;
-            const int64_t nb = panels - p < TILE_PANELS ? panels - p : TILE_PANELS;
-            const int64_t last = p + nb - 1;
-            const int64_t cols = N - last * NR < NR ? N - last * NR : NR;
-            rows_of_unit(x + m0 * ldx, ldx, m, packed + p * K * NR, K, y + m0 * ldy + p * NR,
-                         ldy, cols, (int)nb, q + 1 < units);
-        }
+        for (int64_t q = 0; q < units; q++)
+            gemm_unit(x + m0 * ldx, ldx, m, packed, N, K, y + m0 * ldy, ldy, q);
     }
+}
+
+/* gemm_packed for a caller whose every thread of one OpenMP team calls it with the same
+ * arguments (model/native_decode.c's layer loop runs a step in one team): the units are an
+ * orphaned work-sharing loop over that team, ending in its barrier, each computed by the same
+ * code as in gemm_packed, so the two give the same bits. The signature is the layer loop's
+ * projection kernel's: `w` the packed panels; kind, w2, w3, work and nthreads unused. */
+int gemm_packed_team(int kind, const float *x, int64_t ldx, int64_t M, int64_t K,
+                     const void *w, const void *w2, const void *w3, int64_t N, float *y,
+                     int64_t ldy, void *work, int nthreads) {
+    (void)kind; (void)w2; (void)w3; (void)work; (void)nthreads;
+    int64_t blocks;
+    const int64_t mc = gemm_block_rows(M, K, &blocks), units = GEMM_UNITS(N);
+    for (int64_t m0 = 0; m0 < M; m0 += mc) {
+        const int64_t m = M - m0 < mc ? M - m0 : mc;
+#pragma omp for schedule(static)
+        for (int64_t q = 0; q < units; q++)
+            gemm_unit(x + m0 * ldx, ldx, m, (const float *)w, N, K, y + m0 * ldy, ldy, q);
+    }
+    return 0;
 }
 
 int gemm_available(void) { return 1; }
@@ -91,6 +118,13 @@ void gemm_packed(const float *x, int64_t ldx, const float *packed, int64_t M, in
                  int64_t K, float *y, int64_t ldy, int nthreads) {
     (void)x; (void)ldx; (void)packed; (void)M; (void)N; (void)K; (void)y; (void)ldy;
     (void)nthreads;
+}
+int gemm_packed_team(int kind, const float *x, int64_t ldx, int64_t M, int64_t K,
+                     const void *w, const void *w2, const void *w3, int64_t N, float *y,
+                     int64_t ldy, void *work, int nthreads) {
+    (void)kind; (void)x; (void)ldx; (void)M; (void)K; (void)w; (void)w2; (void)w3; (void)N;
+    (void)y; (void)ldy; (void)work; (void)nthreads;
+    return -1;
 }
 int gemm_available(void) { return 0; }
 #endif

@@ -8,8 +8,8 @@ call over float32 panels or quantized weights, adapters' LoRA kernel included.
 - with adapters it adds the same deltas as the Python loop, bit for bit, rows of several
   adapters of different ranks and targets and base rows in one step, float32 and bf16
   adapter weights;
-- a step of few rows over quantized panels runs in one OpenMP team, and gives the same bits
-  as with a team per kernel;
+- a step of few rows over float32 or quantized panels runs in one OpenMP team, and gives the
+  same bits as with a team per kernel;
 - models it cannot run (oneDNN's float weights, extra norms) do not get it;
 - the same holds on an AVX2 build of every kernel (the quantized GEMM is then the dot-order
   one), in a process of its own (a process builds its kernels for one ISA).
@@ -82,7 +82,7 @@ def test_native_loop_equals_the_python_loop(llama, scheme, monkeypatch):
     assert _generate(llm) == native
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["none", "int8", "int4"])
 def test_one_team_per_step_equals_a_team_per_kernel(llama, scheme):
     hf, _ = llama
     threads = torch.get_num_threads()
@@ -99,13 +99,11 @@ def test_one_team_per_step_equals_a_team_per_kernel(llama, scheme):
         torch.set_num_threads(threads)
 
 
-def test_float32_and_wide_steps_take_a_team_per_kernel(llama):
+def test_wide_steps_and_one_thread_take_a_team_per_kernel(llama):
     hf, _ = llama
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        native = LLM(str(hf), enable_prefix_caching=False).engine.model.native
-        assert not native.in_team(1)  # float32 panels: the GEMM has no team entry point
         native = LLM(str(hf), quantization="int8", enable_prefix_caching=False).engine.model.native
         # 256 MLP columns a row: from 256 rows the element-wise kernels share out their rows
         assert native.in_team(255) and not native.in_team(256)
