@@ -1,6 +1,6 @@
-/* Every decoder layer of a decode-only step in one call: the same kernels the
- * model's Python loop calls one by one (the float32 or quantized GEMM, ops/fused_cpu.c's
- * norms, rope and silu, the paged decode attention), called here in the same order on the same buffers.
+/* Every decoder layer of a decode-only step in one call: the same kernels the model's Python
+ * loop calls one by one (the float32 or quantized GEMM, ops/fused_cpu.c's norms, rope and
+ * silu, the paged decode attention), called here in the same order on the same buffers.
  *
  * Why: at batch 1 a layer's projections are a few tens of microseconds of weight streaming,
  * and the loop around them (a dozen torch dispatches, ctypes calls and allocations a layer)

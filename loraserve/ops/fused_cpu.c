@@ -8,8 +8,8 @@
  * Why: torch runs each of these as 3-6 separate kernels (rms_norm alone is pow, mean, add,
  * rsqrt, mul, mul), each a pass over [T, d] and a dispatch from Python: a visible share of a
  * long prefill step beside the GEMMs (docs/cpu-kernels.md). Rows are split over OpenMP threads
- * when there is enough work (ON_ONE_THREAD). Rows have unit stride within; row strides are arguments, so
- * views of the fused qkv / gate_up outputs are read in place.
+ * when there is enough work (ON_ONE_THREAD). Rows have unit stride within; row strides are
+ * arguments, so views of the fused qkv / gate_up outputs are read in place.
  * Built with -ffp-contract=off: the adds and products round as torch's do (rope and the
  * residual add give torch's bits; the norm's sum and silu's exp differ in the last bit).
  */
@@ -52,7 +52,6 @@ void rms_norm(const float *x, int64_t ldx, const float *w, float *out, int64_t l
     for (int64_t t = 0; t < T; t++) rms_norm_row(x + t * ldx, w, out + t * ldo, d, eps);
 }
 
-/* w may be NULL: h is updated and nothing else is written. */
 static inline void add_rms_norm_row(float *hr, const float *rr, float alpha, const float *w,
                                     float *o, int64_t d, float eps) {
     if (alpha == 1.f)

@@ -12,7 +12,8 @@
  * as transformers' repeat_kv). softcap > 0 caps each scaled score as softcap * tanh(s /
  * softcap) (Gemma 2). Work items are (sequence, kv head) pairs (query heads when there are
  * few); each OpenMP thread takes a contiguous range of them and fetches its next item's rows
- * into L2 while it runs this one (docs/cpu-kernels.md). Returns 0, or -1 if scratch memory cannot be had.
+ * into L2 while it runs this one (docs/cpu-kernels.md). Returns 0, or -1 if scratch memory
+ * cannot be had.
  *
  * With AVX2 + FMA and a head size that is a multiple of 8 (every family we serve), scores are
  * computed 8 tokens at a time: eight independent multiply-add chains, one 8-float q chunk shared
