@@ -129,7 +129,6 @@ void silu_mul(const float *gu, int64_t ldg, float *out, int64_t ldo, int64_t T, 
     for (int64_t t = 0; t < T; t++) silu_mul_row(gu + t * ldg, out + t * ldo, inter);
 }
 
-/* x: [T, heads, hd] at row stride ldx (heads adjacent, hd unit stride); cos/sin: [P, hd]. */
 /* one token's heads, rotated by the table rows c and s of its position */
 static inline void rope_row(float *x, int64_t heads, int64_t hd, const float *c,
                             const float *s) {
@@ -144,6 +143,7 @@ static inline void rope_row(float *x, int64_t heads, int64_t hd, const float *c,
     }
 }
 
+/* x: [T, heads, hd] at row stride ldx (heads adjacent, hd unit stride); cos/sin: [P, hd]. */
 void rope(float *x, int64_t ldx, int64_t T, int64_t heads, int64_t hd, const int64_t *positions,
           const float *cos_t, const float *sin_t, int nthreads) {
 #define ROPE_ROW(t) rope_row(x + (t) * ldx, heads, hd, cos_t + positions[t] * hd, \
