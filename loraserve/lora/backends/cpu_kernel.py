@@ -59,7 +59,10 @@ class CpuKernelLoraBackend(LoraBackend):
         self.fusable = {g for g, lay in weights.layouts.items()
                         if unit and weights.tile_width % unit == 0
                         and all(d % unit == 0 for d in lay.d_outs)}
-        self._native_tables: torch.Tensor | None = None  # built on first use (native_step)
+        # every layer's pool addresses for the C decode loop (native_step); None: it cannot
+        # take them (a group missing from a layer, or its slot strides differ between layers)
+        self._native_tables = (weight_table(weights.A, weights.B)
+                               if weights.device.type == "cpu" else None)
 
     def plan_group(self, batch: LoraBatch, group: str,
                    segments: list[tuple[int, int, int, int]]) -> KernelPlan:
@@ -98,12 +101,8 @@ class CpuKernelLoraBackend(LoraBackend):
 
     def native_step(self, plan: LoraPlan) -> NativeLoraStep | None:
         """The same lora_sgmv calls `apply_group` makes, for the C decode loop to make."""
-        if plan.extras or self.weights.device.type != "cpu":
-            return None
-        if self._native_tables is None:
-            self._native_tables = weight_table(self.weights.A, self.weights.B)
         tables = self._native_tables
-        if tables is None:
+        if plan.extras or tables is None:
             return None
         A, B = self.weights.A[0], self.weights.B[0]
         groups = {g: (segs, parts, A[g].stride(0), B[g].stride(0), self.weights.layouts[g].d_in)
