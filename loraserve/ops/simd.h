@@ -21,6 +21,7 @@
  *   f32x8_round(x)                 to the nearest integer (ties to even), as floats
  *   f32x8_exp2i(n)                 2^n for integral n in the normal range
  *   f32x8_hsums(a)                 the horizontal sums of a[0..7], as one vector, in order
+ *   f32x8_hmax(a)                  the largest of a's lanes (NaN lanes skipped; -inf if all)
  *
  *   PREFETCH(p, hint)              the one software prefetch: hint PF_L1 (into every level),
  *                                  PF_L2 (into L2 and below, not L1) or PF_NT (non-temporal:
@@ -33,6 +34,7 @@
 #ifndef LORASERVE_SIMD_H
 #define LORASERVE_SIMD_H
 
+#include <math.h> /* INFINITY */
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -101,6 +103,13 @@ SIMD_INLINE f32x8 f32x8_load(const float *p) { f32x8 v; memcpy(&v, p, sizeof v);
 SIMD_INLINE void f32x8_store(float *p, f32x8 v) { memcpy(p, &v, sizeof v); }
 SIMD_INLINE f32x8 f32x8_bcast(const float *p) { return f32x8_set1(*p); }
 #endif
+
+SIMD_INLINE float f32x8_hmax(f32x8 a) {
+    float lanes[8], mx = -INFINITY;
+    f32x8_store(lanes, a);
+    for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
+    return mx;
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 SIMD_INLINE f32x8 f32x8_fma(f32x8 a, f32x8 b, f32x8 c) { return _mm256_fmadd_ps(a, b, c); }

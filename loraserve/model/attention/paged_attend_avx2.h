@@ -90,9 +90,8 @@ static inline __attribute__((always_inline)) void attend_avx2(
         }
     }
     for (int64_t hg = 0; hg < HG; hg++) {
-        float *pg = p + hg * n, m8[8], mx = -INFINITY;
-        f32x8_store(m8, vmax[hg]);
-        for (int j = 0; j < 8; j++) mx = m8[j] > mx ? m8[j] : mx;
+        float *pg = p + hg * n;
+        const float mx = f32x8_hmax(vmax[hg]);
         const f32x8 inv = f32x8_set1(1.f / exp_shifted_sum(pg, n, mx));
         /* weighted sum of V, 64 dims at a time so the 8 accumulators stay in registers; the
          * first head's pass brings the rows into cache for the others */

@@ -72,9 +72,7 @@ static float softmax_row(float *p, int64_t len, int64_t upto) {
     f32x8 vmax = f32x8_set1(-INFINITY);
     int64_t t = 0;
     for (; t + 8 <= len; t += 8) vmax = f32x8_max(vmax, f32x8_load(p + t));
-    float m8[8], mx = -INFINITY;
-    f32x8_store(m8, vmax);
-    for (int j = 0; j < 8; j++) mx = m8[j] > mx ? m8[j] : mx;
+    float mx = f32x8_hmax(vmax);
     for (; t < len; t++) mx = p[t] > mx ? p[t] : mx;
     const float sum = exp_shifted_sum(p, len, mx);
     for (t = len; t < upto; t++) p[t] = 0.f;
