@@ -77,6 +77,9 @@ class LoraSlotPool:
         self.tile_width = tile_width  # of A tiles and B strips (layout.py)
         self.model_config = model_config
         self.num_slots = num_slots
+        # times `grow` replaced A and B: addresses taken before another grow point at freed
+        # memory (lora/backends/cpu_kernel.py keys its table of them on it)
+        self.generation = 0
         self.max_lora_rank = max_lora_rank
         self.dtype = dtype
         self.device = torch.device(device)
@@ -130,8 +133,9 @@ class LoraSlotPool:
 
     def grow(self, num_slots: int) -> None:
         """Room for `num_slots` adapters, keeping every slot's contents (new slots are empty).
-        The LoRA backends read `A`/`B` afresh each call, so they see the new tensors; the store
-        grows the pool only between steps."""
+        The LoRA backends read `A`/`B` afresh each call, so they see the new tensors (what keeps
+        their addresses, the C decode loop's table and the decode graphs, takes them again
+        after a grow); the store grows the pool only between steps."""
         if num_slots <= self.num_slots:
             return
         if self.copies is not None:
@@ -148,6 +152,7 @@ class LoraSlotPool:
         self.content += [None] * extra
         self.extras += [None] * extra
         self.num_slots = num_slots
+        self.generation += 1
 
     def clear(self, slot: int) -> None:
         self._check_slot(slot)

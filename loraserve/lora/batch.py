@@ -24,6 +24,7 @@ class SlotWeights(Protocol):
     max_lora_rank: int
     A: list[dict[str, torch.Tensor]]  # per layer, per group: [S, R_g * d_in]
     B: list[dict[str, torch.Tensor]]  # per layer, per group: [S, max_rank * d_out_g]
+    generation: int  # bumped each time A and B are replaced by bigger tensors (the pool grows)
     dtype: torch.dtype
     device: torch.device
     tile_width: int  # of A tiles and B strips (layout.py)

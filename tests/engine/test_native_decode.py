@@ -146,6 +146,26 @@ def test_adapter_steps_over_quantized_weights_run_natively(llama, adapters, sche
     assert _generate(llm, lora=mixed) == native
 
 
+def test_adapter_steps_after_the_slot_pool_grew_read_its_new_tensors(llama, adapters,
+                                                                      monkeypatch):
+    """The pool grows between steps (more adapters resident than it had slots) and its A/B
+    tensors are replaced: the C loop must read the new ones. The old ones are kept here and
+    filled with NaN, so a step that still read them would answer differently (in a server they
+    are freed, and reading them crashed the process)."""
+    hf, _ = llama
+    llm = LLM(str(hf), quantization="int8", lora_paths=adapters, enable_prefix_caching=False)
+    mixed = ["wide", None, "a"]
+    before = _generate(llm, lora=mixed)
+    pool = llm.engine.slot_pool
+    old = [t for per_layer in (pool.A, pool.B) for d in per_layer for t in d.values()]
+    pool.grow(pool.num_slots + 2)
+    for t in old:
+        t.fill_(float("nan"))
+    calls = _counting(llm.engine.model, monkeypatch)
+    assert _generate(llm, lora=mixed) == before
+    assert calls == [3] * 11  # the adapter steps ran in the C loop
+
+
 def test_adapter_steps_the_c_loop_cannot_run_take_the_python_loop(llama, adapters,
                                                                   monkeypatch):
     hf, _ = llama

@@ -59,10 +59,9 @@ class CpuKernelLoraBackend(LoraBackend):
         self.fusable = {g for g, lay in weights.layouts.items()
                         if unit and weights.tile_width % unit == 0
                         and all(d % unit == 0 for d in lay.d_outs)}
-        # every layer's pool addresses for the C decode loop (native_step); None: it cannot
-        # take them (a group missing from a layer, or its slot strides differ between layers)
-        self._native_tables = (weight_table(weights.A, weights.B)
-                               if weights.device.type == "cpu" else None)
+        # every layer's pool addresses for the C decode loop (native_step), and the pool
+        # generation they were taken at: a grown pool's old tensors are freed
+        self._native_tables: tuple[int, torch.Tensor | None] | None = None
 
     def plan_group(self, batch: LoraBatch, group: str,
                    segments: list[tuple[int, int, int, int]]) -> KernelPlan:
@@ -101,8 +100,8 @@ class CpuKernelLoraBackend(LoraBackend):
 
     def native_step(self, plan: LoraPlan) -> NativeLoraStep | None:
         """The same lora_sgmv calls `apply_group` makes, for the C decode loop to make."""
-        tables = self._native_tables
-        if plan.extras or tables is None:
+        tables = None if plan.extras else self._pool_table()
+        if tables is None:
             return None
         A, B = self.weights.A[0], self.weights.B[0]
         groups = {g: (segs, parts, A[g].stride(0), B[g].stride(0), self.weights.layouts[g].d_in)
@@ -110,6 +109,17 @@ class CpuKernelLoraBackend(LoraBackend):
         ldt = padded_rank(max((data[2] for data in plan.groups.values()), default=1))
         fn = ctypes.cast(self.kernel.lora_sgmv, ctypes.c_void_p).value
         return pack_step(fn, self.weights.tile_width, ldt, tables, groups)
+
+    def _pool_table(self) -> torch.Tensor | None:
+        """The pool's addresses as the C loop takes them, taken again after the pool grew; None
+        where it cannot take them (a group missing from a layer, or a group's slot strides
+        differ between layers) or the pool is not in CPU memory."""
+        w = self.weights
+        if w.device.type != "cpu":
+            return None
+        if self._native_tables is None or self._native_tables[0] != w.generation:
+            self._native_tables = (w.generation, weight_table(w.A, w.B))
+        return self._native_tables[1]
 
     def apply_group(self, plan: KernelPlan, group_A: torch.Tensor, group_B: torch.Tensor,
                     x: torch.Tensor, y: torch.Tensor) -> None:
