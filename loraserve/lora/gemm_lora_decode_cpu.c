@@ -20,6 +20,9 @@
 #include <omp.h>
 #include <stdint.h>
 
+/* no fetch ahead inside the LoRA tiles: their weights were fetched under the GEMM, and the
+ * extra prefetches cost (kernel_ab.py decode-op, imitated AVX2) */
+#define LORA_FETCH_AHEAD_WEIGHTS 0
 #include "fused_tile.h"
 #include "lora_rows.h"
 #include "sgmv_tiles.h"

@@ -81,9 +81,9 @@ SIMD_INLINE void shrink_tile(const float *x, int64_t ldx, const wt *at, int64_t 
     f32x8 bh = f32x8_zero();
     for (int64_t i = 0; i < d_in; i++) {
         const wt *ar = at + i * lda;
-        if (pf)
+        if (pf && LORA_FETCH_AHEAD_WEIGHTS)
             for (int v = 0; v < NV + H; v++)
-                PREFETCH(ar + LORA_FETCH_ROWS * lda + 16 * v, LORA_FETCH_HINT);
+                PREFETCH(ar + LORA_FETCH_AHEAD_WEIGHTS + 16 * v, LORA_FETCH_HINT);
         if (NV > 0) b0 = WT_LOAD16(ar);
         if (NV > 1) b1 = WT_LOAD16(ar + 16);
         if (NV > 2) b2 = WT_LOAD16(ar + 32);
@@ -125,7 +125,8 @@ SIMD_INLINE void shrink_tile16(const float *x, int64_t ldx, const wt *at, int64_
     SACC(0); SACC(1); SACC(2); SACC(3); SACC(4); SACC(5);
     for (int64_t i = 0; i < d_in; i++) {
         const wt *ar = at + i * lda;
-        if (PF) PREFETCH(ar + LORA_FETCH_ROWS * lda, LORA_FETCH_HINT);
+        if (PF && LORA_FETCH_AHEAD_WEIGHTS)
+            PREFETCH(ar + LORA_FETCH_AHEAD_WEIGHTS, LORA_FETCH_HINT);
         const f32x8 a0 = WT_LOAD8(ar), a1 = W16 ? WT_LOAD8(ar + 8) : f32x8_zero();
         SFMA(0); SFMA(1); SFMA(2); SFMA(3); SFMA(4); SFMA(5);
     }
@@ -193,8 +194,8 @@ SIMD_INLINE void expand_tile(const float *t, int64_t ldt, const wt *b, int64_t l
                              int64_t o1, float *y, int64_t ldy, int pf, const int NT) {
     YLD(0) YLD(1) YLD(2) YLD(3) YLD(4) YLD(5)
     for (int64_t j = o0; j < o1; j++, b += ldp) {
-        if (pf && j + LORA_FETCH_ROWS < o1) {
-            const wt *p = b + LORA_FETCH_ROWS * ldp;
+        if (pf && LORA_FETCH_AHEAD_WEIGHTS) {
+            const wt *p = b + LORA_FETCH_AHEAD_WEIGHTS;
             PREFETCH(p, LORA_FETCH_HINT), PREFETCH(p + 16, LORA_FETCH_HINT);
             PREFETCH(p + 32, LORA_FETCH_HINT), PREFETCH(p + 48, LORA_FETCH_HINT);
         }
@@ -223,7 +224,8 @@ SIMD_INLINE void expand_tile16(const float *t, int64_t ldt, const wt *b, int64_t
                                const int PF) {
     ZLD(0) ZLD(1) ZLD(2) ZLD(3) ZLD(4) ZLD(5)
     for (int64_t j = o0; j < o1; j++, b += ldp) {
-        if (PF && j + LORA_FETCH_ROWS < o1) PREFETCH(b + LORA_FETCH_ROWS * ldp, LORA_FETCH_HINT);
+        if (PF && LORA_FETCH_AHEAD_WEIGHTS)
+            PREFETCH(b + LORA_FETCH_AHEAD_WEIGHTS, LORA_FETCH_HINT);
         const f32x8 b0 = WT_LOAD8(b), b1 = WT_LOAD8(b + 8);
         ZFMA(0); ZFMA(1); ZFMA(2); ZFMA(3); ZFMA(4); ZFMA(5);
     }

@@ -127,10 +127,14 @@
 /* tokens per shrink and expand register tile: 6 rows of accumulators fit the registers with
  * the B vectors and a broadcast (the tiles' macros are written for 6) (kernel_ab.py lora) */
 #define LORA_TILE_TOKENS 6
-/* rows of A (shrink) or B (expand) fetched ahead of the tile's first pass over them, into one
- * level only (PF_NT): the rows are read once per token chunk, then from cache
- * (kernel_ab.py lora) */
-#define LORA_FETCH_ROWS 8
+/* weights of A (shrink) or B (expand) fetched ahead of the tile's first pass over them (4 KB
+ * in float32), into one level only (PF_NT): the rows are read once per token chunk, then from
+ * cache. A distance in bytes, not rows: a decode step's items are short streams (a rank-8 A
+ * tile or B strip is a few KB), and eight rows ahead of a rank-8 tile was 256 bytes, too close
+ * to hide memory's latency (kernel_ab.py lora) */
+#ifndef LORA_FETCH_AHEAD_WEIGHTS
+#define LORA_FETCH_AHEAD_WEIGHTS 1024
+#endif
 #define LORA_FETCH_HINT PF_NT
 /* shrink work item: tokens of one segment against one A tile (kernel_ab.py lora) */
 #define LORA_SHRINK_TOKENS 60
