@@ -40,16 +40,74 @@ static int64_t expand_items(const lora_part *q, const lora_seg *segs) {
     return cdiv(q->c1 - q->c0, LORA_EXPAND_COLS) * cdiv(g->end - g->start, LORA_EXPAND_TOKENS);
 }
 
+/* Whether a decode batch (no segment longer than LORA_FUSE_MAX_TOKENS) gives each thread
+ * whole segments: with enough of them a thread (LORA_SEGS_PER_THREAD), or where the
+ * heaviest-first order below would leave no thread more than LORA_SEGMENTS_IMBALANCE times an
+ * even share of the weights (one big adapter among small ones, or three equal ones on two
+ * threads, take the item path instead, which splits tiles and parts over the threads).
+ * weights[s]: segment s's adapter weights in this group (its A tiles and its parts' B blocks);
+ * order: the segments heaviest first. Both set either way. */
+static int whole_segments(const lora_seg *segs, int64_t nseg, const lora_part *parts,
+                          const int64_t *pstart, int64_t d_in, int nthreads, int64_t *weights,
+                          int64_t *order) {
+    int64_t total = 0;
+    for (int64_t s = 0; s < nseg; s++) {
+        weights[s] = pad8(segs[s].rank) * d_in;
+        for (int64_t p = pstart[s]; p < pstart[s + 1]; p++)
+            weights[s] += (parts[p].o1 - parts[p].o0) * (parts[p].c1 - parts[p].c0);
+        total += weights[s];
+        order[s] = s;
+    }
+    for (int64_t i = 1; i < nseg; i++) /* insertion sort by weight, descending */
+        for (int64_t k = i; k > 0 && weights[order[k]] > weights[order[k - 1]]; k--) {
+            int64_t tmp = order[k]; order[k] = order[k - 1]; order[k - 1] = tmp;
+        }
+    if (nseg >= LORA_SEGS_PER_THREAD * nthreads) return 1;
+    if (nthreads > LORA_SEGS_MAX_THREADS) return 0;
+    int64_t load[LORA_SEGS_MAX_THREADS] = {0}, most = 0; /* each next one to the least loaded */
+    for (int64_t i = 0; i < nseg; i++) {
+        int least = 0;
+        for (int k = 1; k < nthreads; k++) least = load[k] < load[least] ? k : least;
+        load[least] += weights[order[i]];
+        most = load[least] > most ? load[least] : most;
+    }
+    return (double)most * nthreads <= LORA_SEGMENTS_IMBALANCE * (double)total;
+}
+
+/* Decode: a thread takes a whole segment (shrink, then expand from its own t rows), in
+ * `order`: no barrier between the phases, and the last ones to finish are small. */
+static void decode_segments(const float *x, int64_t ldx, float *y, int64_t ldy, const wt *A,
+                            int64_t a_slot, int64_t d_in, const wt *B, int64_t b_slot,
+                            const lora_seg *segs, int64_t nseg, const lora_part *parts,
+                            float *t, int64_t ldt, int64_t tile, int nthreads,
+                            const int64_t *order, const int64_t *pstart) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t i = 0; i < nseg; i++) {
+        const int64_t s = order[i], rpad = pad8(segs[s].rank);
+        const lora_seg *g = segs + s;
+        for (int64_t c0 = 0; c0 < rpad; c0 += tile) {
+            int64_t w = rpad - c0 < tile ? rpad - c0 : tile;
+            shrink_tokens(x, ldx, A + g->slot * a_slot + c0 * d_in, d_in, w, g->start, g->end,
+                          t + c0, ldt);
+        }
+        for (int64_t p = pstart[s]; p < pstart[s + 1]; p++) {
+            const lora_part *q = parts + p;
+            expand_rows(t, ldt, B + g->slot * b_slot + q->boff, tile, q->o0, q->o1, q->c0,
+                        q->c1 - q->c0, g->start, g->end, y, ldy);
+        }
+    }
+}
+
 int lora_sgmv(const float *x, int64_t ldx, float *y, int64_t ldy,
               const wt *A, int64_t a_slot, int64_t d_in,
               const wt *B, int64_t b_slot,
               const lora_seg *segs, int64_t nseg, const lora_part *parts, int64_t npart,
               float *t, int64_t ldt, int64_t tile, int nthreads) {
-    /* Decode batches of many adapters: one work item per segment (below). Otherwise work
-     * items are numbered across segments' tiles and token chunks (shrink) and parts' column
-     * and token chunks (expand); each phase is one dynamic parallel loop over its items, so a few
-     * adapters, or one big one, still keep every thread busy. Items write disjoint rows or
-     * columns: no races. */
+    /* Decode batches whose adapters share out evenly: one work item per segment
+     * (whole_segments). Otherwise work items are numbered across segments' tiles and token
+     * chunks (shrink) and parts' column and token chunks (expand); each phase is one dynamic
+     * parallel loop over its items, so a few adapters, or one big one, still keep every thread
+     * busy. Items write disjoint rows or columns: no races. */
     int64_t nshrink = 0, nexpand = 0;
     if (!lora_tile_ok(tile)) return -3;
     for (int64_t s = 0; s < nseg; s++) {
@@ -61,40 +119,24 @@ int lora_sgmv(const float *x, int64_t ldx, float *y, int64_t ldy,
     int64_t maxlen = 0;
     for (int64_t s = 0; s < nseg; s++)
         if (segs[s].end - segs[s].start > maxlen) maxlen = segs[s].end - segs[s].start;
-    if (nseg >= LORA_SEGS_PER_THREAD * nthreads && maxlen <= LORA_FUSE_MAX_TOKENS) {
-        /* Decode: enough adapters to keep every thread busy, so a thread takes a whole segment
-         * (shrink, then expand from its own t rows): no barrier between the phases, and the
-         * biggest segments go first so the last ones to finish are small. */
+    if (maxlen <= LORA_FUSE_MAX_TOKENS && nseg >= nthreads) {
         int64_t *order = malloc(nseg * sizeof *order);
         int64_t *pstart = malloc((nseg + 1) * sizeof *pstart);
-        if (!order || !pstart) { free(order); free(pstart); return -2; }
-        for (int64_t s = 0; s < nseg; s++) order[s] = s;
-        for (int64_t i = 1; i < nseg; i++) /* insertion sort by rank, descending */
-            for (int64_t k = i; k > 0 && segs[order[k]].rank > segs[order[k - 1]].rank; k--) {
-                int64_t tmp = order[k]; order[k] = order[k - 1]; order[k - 1] = tmp;
-            }
+        int64_t *weights = malloc(nseg * sizeof *weights);
+        if (!order || !pstart || !weights) {
+            free(order); free(pstart); free(weights);
+            return -2;
+        }
         for (int64_t s = 0, p = 0; s <= nseg; s++) { /* parts come in segment order */
             while (p < npart && parts[p].seg < s) p++;
             pstart[s] = p;
         }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-        for (int64_t i = 0; i < nseg; i++) {
-            const int64_t s = order[i], rpad = pad8(segs[s].rank);
-            const lora_seg *g = segs + s;
-            for (int64_t c0 = 0; c0 < rpad; c0 += tile) {
-                int64_t w = rpad - c0 < tile ? rpad - c0 : tile;
-                shrink_tokens(x, ldx, A + g->slot * a_slot + c0 * d_in, d_in, w, g->start,
-                              g->end, t + c0, ldt);
-            }
-            for (int64_t p = pstart[s]; p < pstart[s + 1]; p++) {
-                const lora_part *q = parts + p;
-                expand_rows(t, ldt, B + g->slot * b_slot + q->boff, tile, q->o0, q->o1, q->c0,
-                            q->c1 - q->c0, g->start, g->end, y, ldy);
-            }
-        }
-        free(order);
-        free(pstart);
-        return 0;
+        const int whole = whole_segments(segs, nseg, parts, pstart, d_in, nthreads, weights,
+                                         order);
+        if (whole) decode_segments(x, ldx, y, ldy, A, a_slot, d_in, B, b_slot, segs, nseg, parts,
+                                   t, ldt, tile, nthreads, order, pstart);
+        free(order); free(pstart); free(weights);
+        if (whole) return 0;
     }
 
 #pragma omp parallel num_threads(nthreads)

@@ -169,6 +169,35 @@ def test_decode_batch_of_many_adapters(path, tile, threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("slots", [[0, 1, 8], [0, 8, 2, 0, 8]])  # one heavy adapter; even ones
+def test_few_decode_segments_give_the_same_bits_on_any_thread_count(slots):
+    # a few short segments: on one thread, or where no segment outweighs a thread's share,
+    # each thread takes whole segments; a heavy one among light ones is split into items.
+    # Either way each y element is its sum in the same order: the same bits.
+    pool = full_pool(sgmv_cpu.preferred_tile(KERNEL))
+    seqs = [(s, 1) for s in slots for _ in range(3)]
+    b = backend(pool, "kernel")
+    plan = b.plan(seqs)
+    g = torch.Generator().manual_seed(5)
+    before = torch.get_num_threads()
+    try:
+        for name, lay in pool.layouts.items():
+            x = torch.randn(len(seqs), lay.d_in, generator=g)
+            y = torch.randn(len(seqs), lay.d_out, generator=g)
+            outs = []
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                outs.append(apply_op(b, plan, 1, name, x, y.clone()))
+            assert all(torch.equal(o, outs[0]) for o in outs[1:]), name
+    finally:
+        torch.set_num_threads(before)
+    torch.set_num_threads(2)
+    try:
+        check_all_groups(pool, seqs, ADAPTERS, seed=13, path="kernel")
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_base_only_batch_leaves_y_unchanged():
     pool = full_pool()
     seqs = [(None, 4), (-1, 3), (None, 1)]
