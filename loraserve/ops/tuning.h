@@ -146,9 +146,9 @@
  * gives each thread whole segments (shrink then expand, no barrier) (kernel_ab.py lora) */
 #define LORA_SEGS_PER_THREAD 4
 #define LORA_FUSE_MAX_TOKENS 8
-/* fewer segments too, where whole ones share out within this factor of an even split (up to
- * LORA_SEGS_MAX_THREADS threads): 5 of ranks 8/16 on 2 threads (1.14) ran faster whole, 3 equal
- * ones (1.33) slower (kernel_ab.py lora; docs/cpu-kernels.md) */
+/* fewer segments too, where whole ones, heaviest first, leave no thread more than this times
+ * an even share (up to LORA_SEGS_MAX_THREADS threads): 5 of ranks 8/16 on 2 threads (at most
+ * 1.14 of a share) ran faster whole, 3 equal ones (1.33) slower (docs/cpu-kernels.md) */
 #define LORA_SEGMENTS_IMBALANCE 1.25
 #define LORA_SEGS_MAX_THREADS 64
 

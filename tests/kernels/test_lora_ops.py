@@ -154,7 +154,7 @@ def test_long_segments_and_every_tile_shape(path, tile):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_batch_of_many_adapters(path, tile, threads):
     # >= 4 short segments per thread: the kernel gives each thread whole segments (shrink, then
-    # expand) in rank order, with no barrier; base tokens sit between them
+    # expand), heaviest first, with no barrier; base tokens sit between them
     if path == "kernel" and not sgmv_cpu.accepts_tile(KERNEL, tile):
         pytest.skip(f"this CPU's kernel build reads {sgmv_cpu.preferred_tile(KERNEL)}-wide tiles")
     pool = full_pool(tile)
