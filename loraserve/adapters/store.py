@@ -149,6 +149,10 @@ class AdapterStore(StoreViews):
         """`name@version` takes no new requests; it is freed when its last one ends."""
         entry = self._entries[self._versions.remove(name, version)]
         entry.unloading = True
+        # its pin goes with it: a draining adapter held its compute slot past the pin limit
+        # (a new pin may take its place at once), and with every slot pinned a request for
+        # an unpinned adapter starved, holding back the drain's own last requests
+        entry.pinned = False
         log.info("adapter %s unloading (uid %d, %d requests in flight)", label(name, version),
                  entry.uid, entry.refcount)
         if entry.refcount == 0:

@@ -186,3 +186,26 @@ SchedulerMachine.TestCase.settings = SETTINGS
 UnifiedSchedulerMachine.TestCase.settings = SETTINGS
 test_tiered_scheduler_under_random_operations = SchedulerMachine.TestCase
 test_unified_scheduler_under_random_operations = UnifiedSchedulerMachine.TestCase
+
+
+def test_a_pinned_adapter_unloaded_with_a_request_queued_gives_up_its_slot():
+    # found by the machine above: b pinned holds one of the 2 slots while it drains (a request
+    # of it queued), a new pin takes the pin limit's place at once, and a request for d (not
+    # pinned) had no slot ever, starved, and held back b's last request: nothing moved
+    m = SchedulerMachine()
+    one = {"max_tokens": 1, "n": 1, "origin": "x", "prefix": PREFIXES[0], "tail": []}
+    m.load(name="a", pinned=False, v2=False)
+    m.load(name="d", pinned=False, v2=False)
+    m.add(adapter="a", client="c2", **{**one, "max_tokens": 3, "n": 3})
+    m.step()
+    m.unload(i=0)  # a, with its requests in flight
+    m.load(name="b", pinned=True, v2=False)
+    m.add(adapter=None, client="c1", **one)
+    m.add(adapter=None, client="c1", **one)
+    m.add(adapter="d", client="c2", **one)
+    m.add(adapter="b", client="c2", **{**one, "n": 2})
+    m.unload(i=0)  # b, pinned, two requests queued
+    m.load(name="a", pinned=True, v2=False)
+    m.add(adapter="a", client="c1", **one)
+    m.teardown()  # everything queued completes
+
