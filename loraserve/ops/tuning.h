@@ -70,9 +70,9 @@
 /* ---- Quantized panel GEMM (ops/qpanel_gemm.c) -------------------------------------------- */
 
 /* rows of x per panel pass: per row, one int32 and one float32 accumulator of 16 lanes each,
- * with the panel's weights and the broadcast bytes, within AVX-512's 32 registers. On AVX2
- * (two ymm per accumulator) some spill, yet 4 rows still beat 2 and match 3 (memory_floor.py;
- * -DQPANEL_TILE_ROWS=n for an A/B) */
+ * with the panel's weights and the broadcast bytes, within AVX-512's 32 registers. AVX2 tiles
+ * take one half of the panel at a time (ops/qpanel_avx2.h), whose 4 rows fit its 16 registers
+ * (memory_floor.py; -DQPANEL_TILE_ROWS=n for an A/B) */
 #ifndef QPANEL_TILE_ROWS
 #define QPANEL_TILE_ROWS 4
 #endif
