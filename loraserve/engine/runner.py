@@ -108,7 +108,11 @@ class ModelRunner:
         scored: list[tuple[Request, int, int]] = []  # (request, prompt position, logits row)
         for req, n in order:
             c = req.num_computed_tokens
-            attn_seqs.append(AttentionSeq(len(ids), n, c, req.block_table))
+            # a prompt's lone token (the budget left one, or its last) is still a prompt row:
+            # the decode kernel sums its attention in another order than the prompt kernel
+            prompt = len(req.prompt_token_ids)
+            attn_seqs.append(AttentionSeq(len(ids), n, c, req.block_table,
+                                          prompt_chunk=prompt > 1 and c < prompt))
             seq_slots.append((slot_of(req.adapter_uid), n))
             if req.wants_prompt_logits:  # row of position p predicts prompt token p + 1
                 last = min(c + n, len(req.prompt_token_ids) - 1)

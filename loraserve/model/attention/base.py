@@ -30,6 +30,9 @@ class AttentionSeq(NamedTuple):
     num_new: int  # tokens it feeds this step (1 = decode)
     num_computed: int  # tokens already in its KV blocks before this step
     block_table: list[int]  # its KV blocks, enough for num_computed + num_new tokens
+    # tokens of a prompt longer than one token, however few this step: attended as prompts
+    # are, never as a decode, so where the scheduler ended a chunk changes no bit
+    prompt_chunk: bool = False
 
 
 class AttentionBackend(ABC):

@@ -73,7 +73,7 @@ class CpuAttention(AttentionBackend):
         for s in seqs:
             c, table = s.num_computed, s.block_table
             slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(c, c + s.num_new))
-            if s.num_new == 1:
+            if s.num_new == 1 and not s.prompt_chunk:
                 decodes.append(s)
             else:
                 nb = -(-(c + s.num_new) // bs)  # blocks holding its context

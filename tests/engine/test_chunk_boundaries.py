@@ -1,0 +1,67 @@
+"""Where the scheduler ends a prompt's chunks changes no bit of its request's output.
+
+The step pace sizes chunks by measured step times, so the same request is chunked differently
+from run to run. A prompt's token that came alone (the budget left one token, or only its last
+was left) once ran as a decode, and the decode kernel sums attention in another order than the
+prompt kernel: its logits moved by an ulp, and over quantized weights (activations rounded to
+int8) that changed greedy tokens run to run. Now every token of a prompt longer than one is
+attended as a prompt token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_factory import make_tiny_llama
+
+from loraserve import LLM, SamplingParams
+from loraserve.model.attention import cpu as cpu_attention
+from loraserve.model.attention.base import AttentionSeq
+from loraserve.ops.qgemm import load_qgemm
+
+PROMPTS = [[(7 * i + 3) % 250 + 2 for i in range(39)], [(11 * i + 5) % 250 + 2 for i in range(39)]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("chunks") / "hf", hidden_size=128,
+                           intermediate_size=256, initializer_range=0.3)
+
+
+def _outputs(llm: LLM):
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = llm.generate(PROMPTS, sp)
+    assert all(o.error is None for o in outs)
+    return [(o.token_ids, o.logprobs) for o in outs]
+
+
+@pytest.mark.parametrize("scheme", ["none", "int8", "int4"])
+def test_a_prompt_gives_the_same_bits_however_it_was_chunked(tiny, scheme, monkeypatch):
+    if scheme != "none" and load_qgemm() is None:
+        pytest.skip("no quantized GEMM kernel on this host (gcc, AVX2)")
+    whole = _outputs(LLM(str(tiny), quantization=scheme, enable_prefix_caching=False))
+    seen: list[AttentionSeq] = []
+    prepare = cpu_attention.CpuAttention.prepare
+
+    def recording(self, seqs):
+        seen.extend(seqs)
+        return prepare(self, seqs)
+
+    monkeypatch.setattr(cpu_attention.CpuAttention, "prepare", recording)
+    # 20 tokens a step, no pace: the first prompt takes 20 then 19, the second its first
+    # token alone beside them, then 19 and 19
+    chunked = LLM(str(tiny), quantization=scheme, enable_prefix_caching=False,
+                  max_num_batched_tokens=20, decode_pace_factor=0.0, pace_calibration=False)
+    seen.clear()
+    out = _outputs(chunked)
+    assert any(s.num_new == 1 and s.prompt_chunk for s in seen), "no lone prompt token ran"
+    assert out == whole
+
+
+def test_a_lone_prompt_token_is_attended_as_a_prompt_and_a_decode_as_a_decode():
+    attention = cpu_attention.CpuAttention(block_size=16, device="cpu")
+    meta = attention.prepare([AttentionSeq(0, 1, 20, [0, 1], prompt_chunk=True),
+                              AttentionSeq(1, 1, 30, [2, 3])])
+    assert [(p.start, p.end) for p in meta.prefills] == [(0, 1)]
+    assert meta.decode_rows.tolist() == [1]
+    assert torch.equal(meta.decode_lens, torch.tensor([31]))
