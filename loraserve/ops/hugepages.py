@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import mmap
 import sys
 
 import torch
@@ -58,5 +59,21 @@ def empty_huge(*shape: int, dtype: torch.dtype = torch.float32,
 
 def zeros_huge(*shape: int, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> torch.Tensor:
-    """torch.zeros(shape), on 2 MB pages where the OS gives them."""
-    return empty_huge(*shape, dtype=dtype, device=device).zero_()
+    """torch.zeros(shape), on 2 MB pages where the OS gives them, none of them touched yet:
+    an anonymous mapping, which the kernel fills with zeros page by page on first touch. A
+    tensor sized for the worst case (the KV cache, the adapter slots) then holds memory only
+    where it is written, as torch.zeros' calloc does, and costs no pass of writes to make."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * dtype.itemsize
+    if torch.device(device).type != "cpu" or _madvise is None or nbytes < MIN_BYTES:
+        return torch.zeros(*shape, dtype=dtype, device=device)
+    # private: a shared anonymous mapping is shmem, which THP leaves on small pages
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)  # kept by the tensor
+    raw = torch.frombuffer(region, dtype=torch.uint8)
+    skip = -raw.data_ptr() % HUGE_PAGE
+    t = raw[skip : skip + nbytes].view(dtype).view(*shape)
+    if _madvise(t.data_ptr(), nbytes, _MADV_HUGEPAGE) != 0:
+        log.debug("madvise(MADV_HUGEPAGE) refused: errno %d", ctypes.get_errno())
+    return t

@@ -39,3 +39,21 @@ def test_a_refused_madvise_still_gives_the_tensor(monkeypatch):
     monkeypatch.setattr(hugepages, "_madvise", lambda *a: -1)  # e.g. THP off: EINVAL
     t = zeros_huge(2, HUGE_PAGE // 4)
     assert not t.any() and t.numel() == HUGE_PAGE // 2
+
+
+def _resident_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise: Linux only")
+def test_zeros_huge_holds_memory_only_where_written():
+    """A worst-case-sized tensor (the KV cache) costs no memory, and no pass of writes, until
+    its pages are used; the pages it never wrote read as zeros."""
+    before = _resident_kb()
+    t = zeros_huge(64, HUGE_PAGE // 4)  # 128 MB of float32
+    assert t.data_ptr() % HUGE_PAGE == 0
+    assert _resident_kb() - before < 16 * 1024
+    t[:2].fill_(1.0)  # two rows: 4 MB
+    assert 2 * 1024 < _resident_kb() - before < 32 * 1024
+    assert t[:2].eq(1.0).all() and not t[2:].any()
