@@ -1,4 +1,5 @@
-"""Where the scheduler ends a prompt's chunks changes no bit of its request's output.
+"""Where the scheduler ends a prompt's chunks, or a prefix-cache hit ends, changes no bit of
+its request's output.
 
 The step pace sizes chunks by measured step times, so the same request is chunked differently
 from run to run. A prompt's token that came alone (the budget left one token, or only its last
@@ -65,3 +66,18 @@ def test_a_lone_prompt_token_is_attended_as_a_prompt_and_a_decode_as_a_decode():
     assert [(p.start, p.end) for p in meta.prefills] == [(0, 1)]
     assert meta.decode_rows.tolist() == [1]
     assert torch.equal(meta.decode_lens, torch.tensor([31]))
+
+
+@pytest.mark.parametrize("scheme", ["none", "int8"])
+def test_a_prefix_cache_hit_that_leaves_one_prompt_token_gives_the_cold_bits(tiny, scheme):
+    """17 tokens with a block of 16: the second time the cached block leaves the last prompt
+    token to compute alone, as the prompt kernel computed it the first time."""
+    if scheme != "none" and load_qgemm() is None:
+        pytest.skip("no quantized GEMM kernel on this host (gcc, AVX2)")
+    llm = LLM(str(tiny), quantization=scheme, block_size=16)
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    prompt = PROMPTS[0][:17]
+    cold = llm.generate([prompt], sp)[0]
+    warm = llm.generate([prompt], sp)[0]
+    assert cold.num_cached_tokens == 0 and warm.num_cached_tokens == 16
+    assert (warm.token_ids, warm.logprobs) == (cold.token_ids, cold.logprobs)
