@@ -29,6 +29,8 @@ def check_store(store: AdapterStore, refs: Mapping[int, int], running: Set[int],
                             f"{refs.get(uid, 0)} live requests")
         if e.unloading and e.refcount == 0:
             problems.append(f"adapter {e.name} (uid {uid}) drained but was never freed")
+        if e.unloading and e.pinned:
+            problems.append(f"adapter {e.name} (uid {uid}) is unloading but still pinned")
         if not e.unloading and store.live_versions(e.name).get(e.version) != uid:
             problems.append(f"adapter {e.name} (uid {uid}) is neither registered nor unloading")
         if e.slot is not None and e.weights is None:
