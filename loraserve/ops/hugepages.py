@@ -40,29 +40,17 @@ if sys.platform.startswith("linux"):
 
 def empty_huge(*shape: int, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> torch.Tensor:
-    """torch.empty(shape), on 2 MB pages where the OS gives them (see the module docstring).
-    Its pages are untouched: the first write faults them in, as huge pages."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    item = dtype.itemsize
-    if torch.device(device).type != "cpu" or _madvise is None or numel * item < MIN_BYTES:
-        return torch.empty(*shape, dtype=dtype, device=device)
-    pad = HUGE_PAGE // item
-    raw = torch.empty(numel + pad, dtype=dtype)  # malloc's mmap: untouched until written
-    skip = (-raw.data_ptr() % HUGE_PAGE) // item
-    t = raw[skip : skip + numel].view(*shape)
-    if _madvise(t.data_ptr(), numel * item, _MADV_HUGEPAGE) != 0:
-        log.debug("madvise(MADV_HUGEPAGE) refused: errno %d", ctypes.get_errno())
-    return t
+    """torch.empty(shape), on 2 MB pages where the OS gives them (see the module docstring):
+    zeros_huge's memory, whose pages are untouched until the first write faults them in."""
+    return zeros_huge(*shape, dtype=dtype, device=device)
 
 
 def zeros_huge(*shape: int, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> torch.Tensor:
     """torch.zeros(shape), on 2 MB pages where the OS gives them, none of them touched yet:
     an anonymous mapping, which the kernel fills with zeros page by page on first touch. A
-    tensor sized for the worst case (the KV cache, the adapter slots) then holds memory only
-    where it is written, as torch.zeros' calloc does, and costs no pass of writes to make."""
+    tensor sized for the worst case (the adapter slots) then holds memory only where it is
+    written, as torch.zeros' calloc does, and costs no pass of writes to make."""
     numel = 1
     for n in shape:
         numel *= n
