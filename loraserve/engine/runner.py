@@ -109,7 +109,8 @@ class ModelRunner:
         for req, n in order:
             c = req.num_computed_tokens
             # a prompt's lone token (the budget left one, or its last) is still a prompt row:
-            # the decode kernel sums its attention in another order than the prompt kernel
+            # the C kernels agree bit for bit, but a prompt that goes to torch's SDPA (a
+            # window, a soft cap) does not agree with the decode kernel
             prompt = len(req.prompt_token_ids)
             attn_seqs.append(AttentionSeq(len(ids), n, c, req.block_table,
                                           prompt_chunk=prompt > 1 and c < prompt))

@@ -20,7 +20,6 @@
  *   f32x8_min f32x8_max            lane by lane (AVX2 builds)
  *   f32x8_round(x)                 to the nearest integer (ties to even), as floats
  *   f32x8_exp2i(n)                 2^n for integral n in the normal range
- *   f32x8_hsums(a)                 the horizontal sums of a[0..7], as one vector, in order
  *   f32x8_hmax(a)                  the largest of a's lanes (NaN lanes skipped; -inf if all)
  *
  *   PREFETCH(p, hint)              the one software prefetch: hint PF_L1 (into every level),
@@ -91,14 +90,7 @@ SIMD_INLINE f32x8 f32x8_exp2i(f32x8 n) {
     return _mm256_castsi256_ps(
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
-SIMD_INLINE f32x8 f32x8_hsums(const f32x8 a[8]) {
-    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-    const __m256 t0 = _mm256_hadd_ps(s01, s23), t1 = _mm256_hadd_ps(s45, s67);
-    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
-                         _mm256_permute2f128_ps(t0, t1, 0x31));
-}
-#else /* generic: GCC's vector extensions (min, max, round, exp2i, hsums: AVX2 builds only) */
+#else /* generic: GCC's vector extensions (min, max, round, exp2i: AVX2 builds only) */
 SIMD_INLINE f32x8 f32x8_load(const float *p) { f32x8 v; memcpy(&v, p, sizeof v); return v; }
 SIMD_INLINE void f32x8_store(float *p, f32x8 v) { memcpy(p, &v, sizeof v); }
 SIMD_INLINE f32x8 f32x8_bcast(const float *p) { return f32x8_set1(*p); }

@@ -1,12 +1,15 @@
-"""Where the scheduler ends a prompt's chunks, or a prefix-cache hit ends, changes no bit of
-its request's output.
+"""Where the scheduler ends a prompt's chunks, where a prefix-cache hit ends, and which kernel
+made a token's K/V change no bit of its request's output.
 
 The step pace sizes chunks by measured step times, so the same request is chunked differently
 from run to run. A prompt's token that came alone (the budget left one token, or only its last
-was left) once ran as a decode, and the decode kernel sums attention in another order than the
-prompt kernel: its logits moved by an ulp, and over quantized weights (activations rounded to
-int8) that changed greedy tokens run to run. Now every token of a prompt longer than one is
-attended as a prompt token.
+was left) once ran as a decode, and the decode kernel summed attention scores in another order
+than the prompt kernel: its logits moved by an ulp, and over quantized weights (activations
+rounded to int8) that changed greedy tokens run to run. Every token of a prompt longer than one
+is attended as a prompt token, and the decode kernel now sums a score as the prompt kernel
+does, so a token's K/V made by either kernel are the same: a request recomputed after
+preemption, and a prompt over cached blocks of another request's generated tokens, get the
+bits of a run without either.
 """
 
 from __future__ import annotations
@@ -80,4 +83,49 @@ def test_a_prefix_cache_hit_that_leaves_one_prompt_token_gives_the_cold_bits(tin
     cold = llm.generate([prompt], sp)[0]
     warm = llm.generate([prompt], sp)[0]
     assert cold.num_cached_tokens == 0 and warm.num_cached_tokens == 16
+    assert (warm.token_ids, warm.logprobs) == (cold.token_ids, cold.logprobs)
+
+
+@pytest.mark.parametrize("scheme", ["none", "int8"])
+def test_a_request_recomputed_after_preemption_gives_the_bits_of_one_never_preempted(tiny,
+                                                                                     scheme):
+    """Its generated tokens were decodes; after preemption they are recomputed as prompt rows."""
+    if scheme != "none" and load_qgemm() is None:
+        pytest.skip("no quantized GEMM kernel on this host (gcc, AVX2)")
+    prompts = [p[:n] for p, n in zip(PROMPTS * 3, (14, 22, 9, 17, 30, 11), strict=True)]
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
+    alone = LLM(str(tiny), quantization=scheme, enable_prefix_caching=False)
+    solo = [alone.generate([p], sp)[0] for p in prompts]
+    small = LLM(str(tiny), quantization=scheme, enable_prefix_caching=False,
+                kv_cache_tokens=64, block_size=4, max_num_batched_tokens=32)
+    sched, preempted = small.engine.scheduler, []
+    preempt = sched._preempt
+
+    def counting(req, batch):
+        preempted.append(req.request_id)
+        preempt(req, batch)
+
+    sched._preempt = counting
+    outs = small.generate(prompts, sp)
+    assert preempted, "no request was preempted"
+    assert [(o.token_ids, o.logprobs) for o in outs] == [(o.token_ids, o.logprobs)
+                                                         for o in solo]
+
+
+@pytest.mark.parametrize("scheme", ["none", "int8"])
+def test_a_prompt_over_cached_generated_tokens_gives_the_cold_bits(tiny, scheme):
+    """A multi-turn chat: the next turn's prompt holds the last turn's answer, whose blocks the
+    prefix cache kept with their K/V as the decodes made them."""
+    if scheme != "none" and load_qgemm() is None:
+        pytest.skip("no quantized GEMM kernel on this host (gcc, AVX2)")
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    llm = LLM(str(tiny), quantization=scheme, block_size=16)
+    first = PROMPTS[0][:20]
+    answer = llm.generate([first], SamplingParams(max_tokens=30, temperature=0.0,
+                                                  ignore_eos=True))[0].token_ids
+    turn = first + answer[:28] + PROMPTS[1][:3]  # 51 tokens: 3 whole blocks, 28 generated
+    warm = llm.generate([turn], sp)[0]
+    assert warm.num_cached_tokens == 48
+    cold = LLM(str(tiny), quantization=scheme, enable_prefix_caching=False).generate([turn],
+                                                                                     sp)[0]
     assert (warm.token_ids, warm.logprobs) == (cold.token_ids, cold.logprobs)

@@ -16,9 +16,11 @@
  * cannot be had.
  *
  * With AVX2 + FMA and a head size that is a multiple of 8 (every family we serve), scores are
- * computed 8 tokens at a time: eight independent multiply-add chains, one 8-float q chunk shared
- * by all, then one transposing horizontal-add tree turns the 8 partial vectors into 8 scores
- * (a per-token dot product with its own horizontal sum was latency-bound); exp is a vector
+ * computed 16 tokens at a time, a token to a lane: K transposed 8 x 8 in registers, and per
+ * token one multiply-add chain over the head's dimensions, as the prompt kernel
+ * (prefill_attention.c) sums a score, so a token attended by either kernel gets the same bits
+ * (its softmax and weighted sum of V already ran in the same order in both); several query
+ * heads and two groups of 8 tokens at once keep enough chains in flight. exp is a vector
  * polynomial (relative error ~2e-7) instead of scalar expf.
  */
 #include <math.h>
