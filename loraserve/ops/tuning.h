@@ -175,8 +175,8 @@
 /* with at least this many sequences per thread a work item takes every kv head of its
  * sequence, reading each token's row whole (kernel_ab.py attention) */
 #define ATTN_SEQS_PER_THREAD 4
-/* K rows fetched this many tokens ahead (four 8-token groups), into L2 for the next score
- * passes; spread over the head loop so the burst does not overflow the miss buffers. Into L2
+/* K rows fetched this many tokens ahead (two 16-token passes), into L2 for the next score
+ * passes; spread over the K transposes so the burst does not overflow the miss buffers. Into L2
  * and this far: long contexts read faster than with 16 tokens into L1, at a cost of a few
  * percent to one short sequence (kernel_ab.py attention) */
 #ifndef ATTN_K_AHEAD
@@ -185,7 +185,7 @@
 #ifndef ATTN_K_HINT
 #define ATTN_K_HINT PF_L2
 #endif
-/* this group's V rows, read after the whole score pass: into L2 (kernel_ab.py attention) */
+/* this pass's V rows, read after the whole score pass: into L2 (kernel_ab.py attention) */
 #define ATTN_V_HINT PF_L2
 /* KB of the next work item's K and V rows fetched into L2 while a thread runs the one
  * before it: two items' rows, this one's and the next's, within L2 (kernel_ab.py attention) */
