@@ -35,7 +35,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     add_sides(ap, sgmv_cpu.SOURCE, rounds=10)
     for side in ("a", "b"):
         ap.add_argument(f"--{side}-dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="the adapter weight dtype the build expects")
+                        help="adapter weight dtype (bfloat16 builds with -DLORA_BF16)")
         ap.add_argument(f"--{side}-tile", type=int, default=0,
                         help="slot pool tile width (0: the build's preferred one)")
     ap.add_argument("--tokens", default="64,2048", help="tokens per step, comma-separated")
@@ -43,8 +43,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 def build(src: Path, flags: str, dtype: torch.dtype, out_dir: Path, tag: str) -> ctypes.CDLL:
     out = out_dir / f"kernel_{tag}.so"
-    subprocess.run(["gcc", *sgmv_cpu.CFLAGS, *arch_flags(), *flags.split(), str(src), "-o",
-                    str(out)], check=True)
+    # the dtype's own flags, as the engine builds it (bfloat16: -DLORA_BF16)
+    subprocess.run(["gcc", *sgmv_cpu.CFLAGS, *arch_flags(), *sgmv_cpu.WEIGHT_FLAGS[dtype],
+                    *flags.split(), str(src), "-o", str(out)], check=True)
     lib = ctypes.CDLL(str(out))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn = lib.lora_sgmv
