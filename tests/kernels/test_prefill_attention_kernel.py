@@ -8,13 +8,11 @@ build (a process of its own)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from avx2_build import assert_passes_on_avx2
 
 from loraserve.model.attention.prefill_attention import load, prefill_attention
 
@@ -124,8 +122,4 @@ print("ok")
 
 
 def test_on_an_avx2_build():
-    env = {**os.environ, "LORASERVE_CPU_ARCH": "x86-64-v3"}
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", AVX2_CHECK, str(Path(__file__).parent)],
-                         env=env, cwd=root, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+    assert_passes_on_avx2(AVX2_CHECK, Path(__file__).parent)
