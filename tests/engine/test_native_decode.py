@@ -17,14 +17,10 @@ call over float32 panels or quantized weights, adapters' LoRA kernel included.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from adapter_factory import build_peft_model
+from avx2_build import assert_passes_on_avx2
 from model_factory import make_tiny_family, make_tiny_llama
 
 from loraserve import LLM, SamplingParams
@@ -231,8 +227,4 @@ print("equal")
 
 def test_native_loop_on_an_avx2_build(llama):
     hf, adapter = llama
-    env = {**os.environ, "LORASERVE_CPU_ARCH": "x86-64-v3"}
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", AVX2_CHECK, str(hf), str(adapter)], env=env,
-                         cwd=root, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and "equal" in out.stdout, out.stderr[-3000:]
+    assert_passes_on_avx2(AVX2_CHECK, hf, adapter, passed="equal")
