@@ -17,8 +17,8 @@
 /* Scores are summed as the prompt kernel sums them (prefill_attention.c's tile_scores): per
  * token one multiply-add chain over the head's dimensions, in order from zero, so that both
  * kernels give a token the same score. Lanes are tokens, so K comes transposed (8 x 8 in
- * registers), and each chain is as long as the head is wide: a pass keeps GN query heads x
- * two groups of 8 tokens in flight, the independent chains that hide the multiply-add's
+ * registers), and each chain is as long as the head is wide: a pass keeps up to SCORE_HEADS
+ * query heads x two groups of 8 tokens in flight, the independent chains that hide the multiply-add's
  * latency. */
 #define SCORE_HEADS 4 /* query heads a pass scores */
 #define PASS 16       /* tokens a pass scores: two groups of 8 */
@@ -58,6 +58,28 @@ SIMD_INLINE void score_chains(const float *qg, const f32x8 *kt, const int64_t HD
         }
     for (int u = 0; u < NG; u++)
         for (int g = 0; g < GN; g++) s[u][g] = acc[u][g];
+}
+
+/* one group's scores s, scaled (and capped), for its nt (<= 8) tokens into p[0..nt), and
+ * their running max into *vmax */
+SIMD_INLINE void put_scores(f32x8 s, int64_t nt, float scale, float softcap, float *p,
+                            f32x8 *vmax) {
+    f32x8 sc = f32x8_mul(s, f32x8_set1(scale));
+    float tmp[8];
+    f32x8_store(tmp, sc);
+    if (softcap > 0.f) {
+        for (int t = 0; t < 8; t++) tmp[t] = cap(tmp[t], softcap);
+        sc = f32x8_load(tmp);
+    }
+    if (nt == 8) {
+        f32x8_store(p, sc);
+        *vmax = f32x8_max(*vmax, sc);
+        return;
+    }
+    for (int64_t t = 0; t < nt; t++) {
+        p[t] = tmp[t];
+        *vmax = f32x8_max(*vmax, f32x8_set1(tmp[t]));
+    }
 }
 
 static inline __attribute__((always_inline)) void attend_avx2(
@@ -137,25 +159,9 @@ static inline __attribute__((always_inline)) void attend_avx2(
 #undef SCORE_CASE
                 for (int64_t j = 0; j < gn; j++) {
                     const int64_t hg = hh * G + g0 + j;
-                    for (int64_t u = 0; u < NG; u++) {
-                        const int64_t tu = t0 + 8 * u, nu = nt - 8 * u < 8 ? nt - 8 * u : 8;
-                        f32x8 sc = f32x8_mul(s[u][j], f32x8_set1(scale));
-                        float tmp[8];
-                        f32x8_store(tmp, sc);
-                        if (softcap > 0.f) {
-                            for (int t = 0; t < 8; t++) tmp[t] = cap(tmp[t], softcap);
-                            sc = f32x8_load(tmp);
-                        }
-                        if (nu == 8) {
-                            f32x8_store(p + hg * n + tu, sc);
-                            vmax[hg] = f32x8_max(vmax[hg], sc);
-                        } else {
-                            for (int64_t t = 0; t < nu; t++) {
-                                p[hg * n + tu + t] = tmp[t];
-                                vmax[hg] = f32x8_max(vmax[hg], f32x8_set1(tmp[t]));
-                            }
-                        }
-                    }
+                    for (int64_t u = 0; u < NG; u++)
+                        put_scores(s[u][j], nt - 8 * u < 8 ? nt - 8 * u : 8, scale, softcap,
+                                   p + hg * n + t0 + 8 * u, &vmax[hg]);
                 }
             }
         }
