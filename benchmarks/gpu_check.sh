@@ -6,7 +6,7 @@
 # cut-off run finished.
 #
 #   benchmarks/gpu_check.sh OUT [PHASE...]   PHASE: tests decode profile serving churn
-#                                            (default: all, in that order)
+#                                            (default: tests decode serving churn)
 #
 # The machine has torch, triton, transformers and peft, and no network. Packages it lacks, in
 # the versions pyproject.toml pins, travel as wheels in .whl/ (installed into /tmp/site), and
@@ -15,7 +15,7 @@
 set -u
 out=${1:?usage: benchmarks/gpu_check.sh OUT [PHASE...]}
 shift
-phases=${*:-tests decode profile serving churn}
+phases=${*:-tests decode serving churn}
 mkdir -p "$out"
 raw=$(mktemp -d)
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH="$PWD"
@@ -44,25 +44,28 @@ phase() {  # name seconds command...
     tar -czf "$out/gpu_check.tgz" -C "$raw" .
 }
 
+expand=()  # the expand program shape gpu_decode_step found fastest, for the phases after it
 for p in $phases; do
     case $p in
-    tests) phase tests 80 python3 -m pytest tests/gpu -m gpu -v -n 8 -p no:cacheprovider \
+    tests) phase tests 75 python3 -m pytest tests/gpu -m gpu -v -n 8 -p no:cacheprovider \
         --timeout 200 -W ignore::FutureWarning
         # the fused element-wise kernels broken on this GPU: the benchmarks go on without them
         if grep -qE "(FAILED|ERROR) tests/gpu/test_elementwise_cuda" "$raw/tests.log"; then
             echo "=== element-wise kernels failed: LORASERVE_FUSED_GPU=0 from here on"
             export LORASERVE_FUSED_GPU=0
         fi ;;
-    decode) phase decode 120 python3 benchmarks/gpu_decode_step.py "${tok[@]}" \
-        --json "$raw/gpu_decode_step.json" ;;
+    decode) phase decode 160 python3 benchmarks/gpu_decode_step.py --pairs 1 "${tok[@]}" \
+        --json "$raw/gpu_decode_step.json"
+        best=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["sides"]
+["triton"].get("best_expand") or "")' "$raw/gpu_decode_step.json" 2>/dev/null)
+        [ -n "$best" ] && expand=(--lora-expand "$best") && echo "=== LoRA expand $best" ;;
     profile) phase profile 60 python3 benchmarks/gpu_profile.py --step-reps 1 "${tok[@]}" \
         --json "$raw/gpu_profile.json" ;;
     serving) phase serving 110 python3 benchmarks/gpu_serving.py --models llama-1b \
-        --reps 3 --peft-reps 1 --peft-sequential-reps 0 "${tok[@]}" \
+        --reps 3 --peft-reps 1 --peft-sequential-reps 0 "${tok[@]}" "${expand[@]}" \
         --json "$raw/gpu_serving.json" ;;
-    churn) phase churn 170 python3 benchmarks/gpu_churn.py --configs B,A,B-blocking,C \
-        --reps 2 "${tok[@]}" \
-        --json "$raw/gpu_churn.json" ;;
+    churn) phase churn 220 python3 benchmarks/gpu_churn.py --configs B,A,B-blocking \
+        --reps 3 "${tok[@]}" "${expand[@]}" --json "$raw/gpu_churn.json" ;;
     *) echo "unknown phase $p" ;;
     esac
 done

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import random_llama, scratch_dir  # noqa: E402
-from gpu_serving import LLAMA_1B, SMOKE, sync  # noqa: E402
+from gpu_serving import LLAMA_1B, SMOKE, set_lora_expand, sync  # noqa: E402
 
 from loraserve import LLM, SamplingParams  # noqa: E402
 from loraserve.adapters.slot_copies import StreamSlotCopies  # noqa: E402
@@ -91,7 +91,10 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--lora-expand", default=None, metavar="STRIPS,RANK_BLOCK",
+                    help="the Triton LoRA expand's program shape (default: the module's)")
     args = ap.parse_args()
+    set_lora_expand(args.lora_expand)
     device, dtype = ("cpu", "float32") if args.smoke else ("cuda", "bfloat16")
     if args.smoke:
         args.num_adapters, args.num_requests, args.request_rate = 6, 16, 50.0
@@ -116,28 +119,29 @@ def main() -> None:
     run(warm, reqs[:16], device)
     warm.engine.shutdown()
     del warm
-    for name in args.configs.split(","):
-        knobs, blocking = CONFIGS[name]
-        real_write = StreamSlotCopies.write
-        if blocking:
-            blocking_copies()
-        try:
-            reps = []
-            for _ in range(args.reps):
+    configs = args.configs.split(",")
+    runs: dict[str, list[dict]] = {name: [] for name in configs}
+    for _ in range(args.reps):  # configurations interleaved: a cut run keeps each one's reps
+        for name in configs:
+            knobs, blocking = CONFIGS[name]
+            real_write = StreamSlotCopies.write
+            if blocking:
+                blocking_copies()
+            try:
                 llm = engine(**knobs)
-                reps.append(run(llm, reqs, device))
+                runs[name].append(run(llm, reqs, device))
                 llm.engine.shutdown()
                 del llm
                 if device == "cuda":
                     torch.cuda.empty_cache()
-        finally:
-            StreamSlotCopies.write = real_write
-        res["configs"][name] = {"reps": reps, **{
-            k: statistics.median(r[k] for r in reps) for k in reps[0]}}
-        print(name, json.dumps(res["configs"][name]), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
-
+            finally:
+                StreamSlotCopies.write = real_write
+            reps = runs[name]
+            res["configs"][name] = {"reps": reps, **{
+                k: statistics.median(r[k] for r in reps) for k in reps[0]}}
+            print(name, json.dumps(reps[-1]), flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps(res, indent=1))
 
 if __name__ == "__main__":
     main()

@@ -4,8 +4,9 @@ profiler sees in a step (kernels launched, their summed device time, the rest of
 time: the host's share between replays). Then, on each side, a replayed decode step of 64
 sequences over 16 adapters (r8-64, all modules) and one of 64 base-only sequences through the
 same profiler: where a mixed step spends the time a base-only one does not (the LoRA shrink
-and expand kernels by name); on the Triton side also with 4 and 16 column strips per expand
-program.
+and expand kernels by name); on the Triton side also for each shape of the expand programs
+in EXPAND_VARIANTS, and the one whose LoRA kernels took the least device time (`best_expand`,
+which gpu_check.sh hands to the benchmarks after it).
 
 One engine on the Llama-3.2-1B-shaped model of gpu_serving.py (bf16, random weights); the two
 sides alternate in one process (`LORASERVE_FUSED_GPU` off / on, the decode graphs recorded
@@ -28,7 +29,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import random_llama, scratch_dir  # noqa: E402
-from gpu_serving import LLAMA_1B, SMOKE, copy_rate_gbs, sync, time_loraserve  # noqa: E402
+from gpu_serving import (  # noqa: E402
+    LLAMA_1B,
+    SMOKE,
+    copy_rate_gbs,
+    set_lora_expand,
+    sync,
+    time_loraserve,
+)
 
 from loraserve import LLM, SamplingParams  # noqa: E402
 from loraserve.bench.make_adapters import make_synthetic_adapters  # noqa: E402
@@ -96,21 +104,34 @@ def profile_mixed_step(llm: LLM, names: list[str | None], seqs: int, steps: int)
     return res
 
 
-def expand_strips(llm: LLM, names: list[str], seqs: int, device: str) -> dict:
-    """The mixed step again with 4 and 16 column strips per LoRA expand program
-    (lora/triton_sgmv.EXPAND_STRIPS), graphs recorded again for each; left at its default."""
+EXPAND_VARIANTS = ((1, 16), (4, 16), (1, 64), (4, 64), (16, 64))  # (strips, rank step)
+
+
+def expand_variants(llm: LLM, names: list[str], seqs: int, device: str) -> dict:
+    """The mixed step again for each (column strips per expand program, rank rows per step of
+    its reduction) in EXPAND_VARIANTS (lora/triton_sgmv.EXPAND_STRIPS, EXPAND_RANK_BLOCK),
+    graphs recorded again for each, the defaults restored after; and the variant whose
+    LoRA kernels took the least device time."""
     from loraserve.lora import triton_sgmv
 
-    default, out = triton_sgmv.EXPAND_STRIPS, {}
+    default, out = (triton_sgmv.EXPAND_STRIPS, triton_sgmv.EXPAND_RANK_BLOCK), {}
     try:
-        for strips in (4, 16):
-            triton_sgmv.EXPAND_STRIPS = strips
+        for strips, rank_block in EXPAND_VARIANTS:
+            set_lora_expand(f"{strips},{rank_block}")
             llm.engine.runner.enable_decode_graphs(
                 seqs, llm.engine.max_model_len, None if device == "cuda" else ReplayEmulator)
-            out[f"mixed_step_strips{strips}"] = profile_mixed_step(llm, names, seqs, 8)
+            res = profile_mixed_step(llm, names, seqs, 8)
+            res["lora_ms"] = sum(ms for k, (ms, _) in res["top_kernels_ms_count"].items()
+                                 if k.startswith("sgmv_"))
+            out[f"{strips},{rank_block}"] = res
+            print("expand", strips, rank_block, f"LoRA kernels {res['lora_ms']:.3f} ms/step,",
+                  f"step {res['wall_ms']:.3f} ms", flush=True)
     finally:
-        triton_sgmv.EXPAND_STRIPS = default
-    return out
+        set_lora_expand(",".join(map(str, default)))
+        llm.engine.runner.enable_decode_graphs(
+            seqs, llm.engine.max_model_len, None if device == "cuda" else ReplayEmulator)
+    return {"mixed_step_expand": out,
+            "best_expand": min(out, key=lambda k: out[k]["lora_ms"]) if out else None}
 
 
 def main() -> None:
@@ -152,7 +173,7 @@ def main() -> None:
                     sides[name]["mixed_step"] = profile_mixed_step(llm, names, seqs, 8)
                     sides[name]["base_step"] = profile_mixed_step(llm, [None], seqs, 8)
                     if name == "triton":
-                        sides[name].update(expand_strips(llm, names, seqs, device))
+                        sides[name].update(expand_variants(llm, names, seqs, device))
                 except Exception as e:  # the timings above stand without it
                     sides[name]["profile_error"] = repr(e)
             print(name, pair, f"{sides[name]['ms'][-1]:.3f} ms/token", flush=True)

@@ -51,6 +51,16 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def set_lora_expand(spec: str | None) -> None:
+    """"STRIPS,RANK_BLOCK": the Triton LoRA expand's programs for this run (the module's
+    EXPAND_STRIPS and EXPAND_RANK_BLOCK); None leaves the defaults."""
+    if spec:
+        from loraserve.lora import triton_sgmv
+
+        strips, rank_block = (int(v) for v in spec.split(","))
+        triton_sgmv.EXPAND_STRIPS, triton_sgmv.EXPAND_RANK_BLOCK = strips, rank_block
+
+
 def copy_rate_gbs(device: str, mb: int = 1024) -> float:
     """Device memory bandwidth measured now: read + write of a large copy."""
     x = torch.empty(mb * 2**20 // 2, dtype=torch.float16, device=device)
@@ -119,14 +129,13 @@ def bench_model(label: str, model_dir: Path, args, dtype: torch.dtype) -> dict:
         if rep < args.peft_reps:
             runs["peft_mixed"].append(time_peft(peft, prompts, args.output_len, args.device,
                                                 adapter_names=loras))
-        if rep >= args.peft_sequential_reps:
-            continue
-        t = time.perf_counter()
-        for name in names:
-            batch = [p for p, n in zip(prompts, loras, strict=True) if n == name]
-            peft.set_adapter(name)
-            time_peft(peft, batch, args.output_len, args.device)
-        runs["peft_sequential"].append(time.perf_counter() - t)
+        if rep < args.peft_sequential_reps:
+            t = time.perf_counter()
+            for name in names:
+                batch = [p for p, n in zip(prompts, loras, strict=True) if n == name]
+                peft.set_adapter(name)
+                time_peft(peft, batch, args.output_len, args.device)
+            runs["peft_sequential"].append(time.perf_counter() - t)
         print(f"{label} rep {rep}: " + "  ".join(f"{k} {v[-1]:.2f}s" for k, v in runs.items()
                                                  if v), flush=True)
     n_out = args.num_prompts * args.output_len
@@ -186,7 +195,10 @@ def main() -> None:
                     help="a tiny random Llama and small numbers: checks the script, no figures")
     ap.add_argument("--tokenizer", default=None,
                     help="folder with the bundled model's tokenizer files (default: the model)")
+    ap.add_argument("--lora-expand", default=None, metavar="STRIPS,RANK_BLOCK",
+                    help="the Triton LoRA expand's program shape (default: the module's)")
     args = ap.parse_args()
+    set_lora_expand(args.lora_expand)
     if args.smoke:
         args.models, args.num_adapters, args.num_prompts = "smoke", 4, 4
         args.input_len, args.output_len, args.reps = 8, 4, 1

@@ -33,6 +33,11 @@ K_CHUNK = 1024  # d_in per shrink program (k_splits)
 # case (every token its own part, the widest module), so most programs exit at once; more
 # strips per program launch fewer of them. Each strip's sum is the same whatever the value.
 EXPAND_STRIPS = 1
+# Rank rows of B per step of the expand's reduction, at most: the reduction walks a module's
+# rank in steps of min(this, the pool's max_lora_rank rounded up to a power of two), so a
+# rank-64 part takes one dependent step instead of four. The step depends on the pool alone,
+# never on the batch, so a token's sum is the same whatever adapters share its step.
+EXPAND_RANK_BLOCK = 16
 
 
 @triton.jit
@@ -152,8 +157,15 @@ def launch_shrink(x, t, group_A, blocks, num_blocks: int, max_rp: int, d_in: int
                              PRECISION=precision(x.dtype))
 
 
-def launch_expand(t, y, group_B, parts, num_parts: int, max_cols: int) -> None:
+def rank_block(max_lora_rank: int) -> int:
+    """The expand's reduction step over the rank (EXPAND_RANK_BLOCK); tl.dot needs >= 16."""
+    return max(16, min(EXPAND_RANK_BLOCK, triton.next_power_of_2(max_lora_rank)))
+
+
+def launch_expand(t, y, group_B, parts, num_parts: int, max_cols: int,
+                  max_lora_rank: int) -> None:
     grid = (num_parts, triton.cdiv(max_cols, TILE * EXPAND_STRIPS))
     sgmv_expand_kernel[grid](t, t.stride(1), t.stride(0), t.shape[0], y, y.stride(0), group_B,
-                             group_B.stride(0), parts, BLOCK_M=BLOCK_M, BLOCK_R=16, TILE=TILE,
+                             group_B.stride(0), parts, BLOCK_M=BLOCK_M,
+                             BLOCK_R=rank_block(max_lora_rank), TILE=TILE,
                              PRECISION=precision(y.dtype), STRIPS=EXPAND_STRIPS)

@@ -126,12 +126,15 @@ def test_pool_tile_width_follows_the_backend_that_will_run(monkeypatch):
     assert pool_tile_width(None, torch.float32, cpu) == 64
 
 
+@pytest.mark.parametrize("rank_block", [16, 64])
 @pytest.mark.parametrize("strips", [2, 3])
-def test_triton_expand_strips_per_program_change_no_bit(monkeypatch, strips):
+def test_triton_expand_strips_per_program_change_no_bit(monkeypatch, strips, rank_block):
     """More 64-column strips per expand program (fewer programs in a replayed graph's worst-case
-    grid) computes each strip's sum exactly as one strip per program does."""
+    grid) computes each strip's sum exactly as one strip per program does, at either step of
+    the reduction over the rank; and every step matches the reference."""
     from loraserve.lora import triton_sgmv
 
+    monkeypatch.setattr(triton_sgmv, "EXPAND_RANK_BLOCK", rank_block)
     rng = random.Random(7)
     pool, adapters = random_pool(rng)
     backend = create_lora_backend(pool, "triton")
@@ -142,6 +145,8 @@ def test_triton_expand_strips_per_program_change_no_bit(monkeypatch, strips):
     for group, lay in pool.layouts.items():
         x = torch.randn(len(token_slots), lay.d_in, generator=g)
         y = torch.randn(len(token_slots), lay.d_out, generator=g)
+        mods = [None if s < 0 else adapters[s].layers[0] for s in token_slots]
+        want = lora_reference(x, y.clone(), mods, lay)
         outs = []
         for n in (1, strips):
             monkeypatch.setattr(triton_sgmv, "EXPAND_STRIPS", n)
@@ -149,3 +154,11 @@ def test_triton_expand_strips_per_program_change_no_bit(monkeypatch, strips):
             backend.apply(plan, 0, group, x, got)
             outs.append(got)
         assert torch.equal(outs[0], outs[1]), group
+        torch.testing.assert_close(outs[0], want, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_expand_rank_step_follows_the_pool_not_the_batch(monkeypatch):
+    from loraserve.lora import triton_sgmv
+
+    monkeypatch.setattr(triton_sgmv, "EXPAND_RANK_BLOCK", 64)
+    assert [triton_sgmv.rank_block(r) for r in (4, 16, 24, 64, 256)] == [16, 16, 32, 64, 64]

@@ -66,8 +66,10 @@ for dtype in ("fp32", "bf16", "fp16"):
         ttir(triton_sgmv.sgmv_shrink_kernel, typer({"x_ptr", "a_ptr"}, dtype),
              {"BLOCK_M": 16, "BLOCK_K": 128, "TILE": 64, "NATIVE": native,
               "PRECISION": precision})
-        ttir(triton_sgmv.sgmv_expand_kernel, typer({"y_ptr", "b_ptr"}, dtype),
-             {"BLOCK_M": 16, "BLOCK_R": 16, "TILE": 64, "PRECISION": precision, "STRIPS": 4})
+        for rank_block in (16, 64):
+            ttir(triton_sgmv.sgmv_expand_kernel, typer({"y_ptr", "b_ptr"}, dtype),
+                 {"BLOCK_M": 16, "BLOCK_R": rank_block, "TILE": 64, "PRECISION": precision,
+                  "STRIPS": 4})
 
     def elementwise(name, dtype=dtype):
         if name == "pos_ptr":

@@ -112,4 +112,5 @@ class TritonLoraBackend(LoraBackend):
                         dtype=torch.float32, device=x.device)
         self.kernels.launch_shrink(x, t, group_A, blocks, blocks.shape[0], max_rp,
                                    x.shape[1])
-        self.kernels.launch_expand(t, y, group_B, parts, parts.shape[0], max_cols)
+        self.kernels.launch_expand(t, y, group_B, parts, parts.shape[0], max_cols,
+                                   self.weights.max_lora_rank)
