@@ -12,6 +12,10 @@
 # the versions pyproject.toml pins, travel as wheels in .whl/ (installed into /tmp/site), and
 # the bundled model's tokenizer files in .gpu/tokenizer/ (the benchmarks' random models use
 # them; the tests build their own).
+#
+# For a shorter lease: PEFT_REPS (PEFT's mixed batch in gpu_serving, default 1; 0 skips PEFT),
+# CHURN_REPS (default 3), DECODE_SIDES (gpu_decode_step's sides, default torch,triton), and
+# OTHER_LORA_KERNELS, another triton_sgmv.py whose mixed decode step is profiled beside ours.
 set -u
 out=${1:?usage: benchmarks/gpu_check.sh OUT [PHASE...]}
 shift
@@ -54,18 +58,19 @@ for p in $phases; do
             echo "=== element-wise kernels failed: LORASERVE_FUSED_GPU=0 from here on"
             export LORASERVE_FUSED_GPU=0
         fi ;;
-    decode) phase decode 160 python3 benchmarks/gpu_decode_step.py --pairs 1 "${tok[@]}" \
-        --json "$raw/gpu_decode_step.json"
+    decode) phase decode 90 python3 benchmarks/gpu_decode_step.py --pairs 1 "${tok[@]}" \
+        --sides "${DECODE_SIDES:-torch,triton}" \
+        ${OTHER_LORA_KERNELS:+--other-lora-kernels "$OTHER_LORA_KERNELS"} --json "$raw/gpu_decode_step.json"
         best=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["sides"]
 ["triton"].get("best_expand") or "")' "$raw/gpu_decode_step.json" 2>/dev/null)
         [ -n "$best" ] && expand=(--lora-expand "$best") && echo "=== LoRA expand $best" ;;
     profile) phase profile 60 python3 benchmarks/gpu_profile.py --step-reps 1 "${tok[@]}" \
         --json "$raw/gpu_profile.json" ;;
     serving) phase serving 110 python3 benchmarks/gpu_serving.py --models llama-1b \
-        --reps 3 --peft-reps 1 --peft-sequential-reps 0 "${tok[@]}" "${expand[@]}" \
+        --reps 3 --peft-reps "${PEFT_REPS:-1}" --peft-sequential-reps 0 "${tok[@]}" "${expand[@]}" \
         --json "$raw/gpu_serving.json" ;;
     churn) phase churn 220 python3 benchmarks/gpu_churn.py --configs B,A,B-blocking \
-        --reps 3 "${tok[@]}" "${expand[@]}" --json "$raw/gpu_churn.json" ;;
+        --reps "${CHURN_REPS:-3}" "${tok[@]}" "${expand[@]}" --json "$raw/gpu_churn.json" ;;
     *) echo "unknown phase $p" ;;
     esac
 done

@@ -19,6 +19,8 @@ again for each side), ABAB, so a drifting clock or a neighbour touches both.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import inspect
 import json
 import statistics
 import sys
@@ -104,42 +106,69 @@ def profile_mixed_step(llm: LLM, names: list[str | None], seqs: int, steps: int)
     return res
 
 
-EXPAND_VARIANTS = ((1, 16), (4, 16), (1, 64), (4, 64), (16, 64))  # (strips, rank step)
+EXPAND_VARIANTS = ((1, 16), (1, 32), (1, 64))  # (strips, rank step)
 
 
-def expand_variants(llm: LLM, names: list[str], seqs: int, device: str) -> dict:
+def load_kernels(path: str):
+    """The Triton LoRA kernels from another source file (an earlier version, to compare in
+    the same process); an expand launcher without the rank step's argument is given one."""
+    spec = importlib.util.spec_from_file_location("lora_kernels_" + Path(path).stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if "max_lora_rank" not in inspect.signature(mod.launch_expand).parameters:
+        launch = mod.launch_expand
+        mod.launch_expand = lambda *args: launch(*args[:6])
+    return mod
+
+
+def expand_variants(llm: LLM, names: list[str], seqs: int, device: str,
+                    other_kernels: str | None) -> dict:
     """The mixed step again for each (column strips per expand program, rank rows per step of
     its reduction) in EXPAND_VARIANTS (lora/triton_sgmv.EXPAND_STRIPS, EXPAND_RANK_BLOCK),
-    graphs recorded again for each, the defaults restored after; and the variant whose
-    LoRA kernels took the least device time."""
+    and with the kernels of `other_kernels` (a source file) at their defaults, graphs recorded
+    again for each, the defaults restored after; and the variant of ours whose LoRA kernels
+    took the least device time."""
     from loraserve.lora import triton_sgmv
 
+    backend = llm.engine.runner.lora
     default, out = (triton_sgmv.EXPAND_STRIPS, triton_sgmv.EXPAND_RANK_BLOCK), {}
+    variants = [(f"{a},{b}", triton_sgmv) for a, b in EXPAND_VARIANTS]
+    if other_kernels:
+        variants.append((Path(other_kernels).name, load_kernels(other_kernels)))
     try:
-        for strips, rank_block in EXPAND_VARIANTS:
-            set_lora_expand(f"{strips},{rank_block}")
+        for label, kernels in variants:
+            backend.kernels = kernels
+            if kernels is triton_sgmv:
+                set_lora_expand(label)
             llm.engine.runner.enable_decode_graphs(
                 seqs, llm.engine.max_model_len, None if device == "cuda" else ReplayEmulator)
             res = profile_mixed_step(llm, names, seqs, 8)
             res["lora_ms"] = sum(ms for k, (ms, _) in res["top_kernels_ms_count"].items()
                                  if k.startswith("sgmv_"))
-            out[f"{strips},{rank_block}"] = res
-            print("expand", strips, rank_block, f"LoRA kernels {res['lora_ms']:.3f} ms/step,",
-                  f"step {res['wall_ms']:.3f} ms", flush=True)
+            out[label] = res
+            print("LoRA kernels", label, f"{res['lora_ms']:.3f} ms/step,",
+                  {k: round(ms, 3) for k, (ms, _) in res["top_kernels_ms_count"].items()
+                   if k.startswith("sgmv_")}, f"step {res['wall_ms']:.3f} ms", flush=True)
     finally:
+        backend.kernels = triton_sgmv
         set_lora_expand(",".join(map(str, default)))
         llm.engine.runner.enable_decode_graphs(
             seqs, llm.engine.max_model_len, None if device == "cuda" else ReplayEmulator)
+    ours = [label for label, kernels in variants if kernels is triton_sgmv and label in out]
     return {"mixed_step_expand": out,
-            "best_expand": min(out, key=lambda k: out[k]["lora_ms"]) if out else None}
+            "best_expand": min(ours, key=lambda k: out[k]["lora_ms"]) if ours else None}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--sides", default="torch,triton",
+                    help="which element-wise sides to run (torch, triton or both)")
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--other-lora-kernels", default=None, metavar="FILE",
+                    help="another triton_sgmv.py (an earlier version) to profile beside ours")
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny random Llama on the CPU, graphs emulated: the script only")
     args = ap.parse_args()
@@ -159,9 +188,9 @@ def main() -> None:
               max_lora_rank=64, enable_prefix_caching=False, cuda_graph_max_bs=seqs, **cpu)
     runner = llm.engine.runner
     prompt = list(range(100, 132))
-    sides: dict[str, dict] = {"torch": {"ms": []}, "triton": {"ms": []}}
+    sides: dict[str, dict] = {name: {"ms": []} for name in args.sides.split(",")}
     for pair in range(args.pairs):
-        for name in ("torch", "triton"):
+        for name in sides:
             set_gpu_enabled(name == "triton")
             runner.enable_decode_graphs(seqs, llm.engine.max_model_len,
                                         None if device == "cuda" else ReplayEmulator)
@@ -173,7 +202,8 @@ def main() -> None:
                     sides[name]["mixed_step"] = profile_mixed_step(llm, names, seqs, 8)
                     sides[name]["base_step"] = profile_mixed_step(llm, [None], seqs, 8)
                     if name == "triton":
-                        sides[name].update(expand_variants(llm, names, seqs, device))
+                        sides[name].update(expand_variants(llm, names, seqs, device,
+                                                           args.other_lora_kernels))
                 except Exception as e:  # the timings above stand without it
                     sides[name]["profile_error"] = repr(e)
             print(name, pair, f"{sides[name]['ms'][-1]:.3f} ms/token", flush=True)
@@ -181,7 +211,8 @@ def main() -> None:
         s["ms_per_token"] = statistics.median(s["ms"])
     res = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
            "torch": torch.__version__, "tokens": args.tokens, "sides": sides,
-           "triton_vs_torch": sides["torch"]["ms_per_token"] / sides["triton"]["ms_per_token"]}
+           "triton_vs_torch": (sides["torch"]["ms_per_token"] / sides["triton"]["ms_per_token"]
+                               if len(sides) == 2 else None)}
     if device == "cuda":
         res["copy_rate_gbs"] = copy_rate_gbs(device)
     print(json.dumps(res, indent=1))

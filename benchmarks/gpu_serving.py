@@ -110,17 +110,21 @@ def bench_model(label: str, model_dir: Path, args, dtype: torch.dtype) -> dict:
               enable_prefix_caching=False,  # runs repeat the prompts; PEFT caches nothing
               max_num_seqs=max(256, *args.concurrency))
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
-    peft = PeftModel.from_pretrained(hf, str(paths[0]), adapter_name=names[0])
-    for p in paths[1:]:
-        peft.load_adapter(str(p), adapter_name=p.name)
-    peft.eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    with_peft = args.peft_reps > 0 or args.peft_sequential_reps > 0
+    if with_peft:
+        peft = PeftModel.from_pretrained(hf, str(paths[0]), adapter_name=names[0])
+        for p in paths[1:]:
+            peft.load_adapter(str(p), adapter_name=p.name)
+        peft.eval()
     vocab = llm.engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(100, vocab - 1, (args.num_prompts, args.input_len),
                             generator=g).tolist()
     loras = [names[i % len(names)] for i in range(args.num_prompts)]
     time_loraserve(llm, prompts[: len(names)], 4, names)  # warm-up: every adapter resident
-    time_peft(peft, prompts[:2], 2, args.device, adapter_names=loras[:2])
+    if with_peft:
+        time_peft(peft, prompts[:2], 2, args.device, adapter_names=loras[:2])
     runs: dict[str, list[float]] = {k: [] for k in ("ours_multi", "ours_base", "peft_mixed",
                                                      "peft_sequential")}
     for rep in range(args.reps):
@@ -147,7 +151,6 @@ def bench_model(label: str, model_dir: Path, args, dtype: torch.dtype) -> dict:
                 for _ in range(3)]
     llm.engine.runner.graphs = graphs
     bw = copy_rate_gbs(args.device)
-    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
     floor = bw * 1e9 / weight_bytes
     # many sequences decoding at once (base model, 16-token prompts: decode dominates): a step
     # reads the weights once for all of them, so the floor is batch x the batch-1 floor
@@ -160,7 +163,8 @@ def bench_model(label: str, model_dir: Path, args, dtype: torch.dtype) -> dict:
                              "floor_tok_s": batch * floor,
                              "of_floor": statistics.median(rates) / (batch * floor)}
     return {"tok_s": tok_s, "runs_s": runs, "concurrent_base": concurrent,
-            "ratio_vs_peft_mixed": tok_s["ours_multi"] / tok_s["peft_mixed"],
+            "ratio_vs_peft_mixed": (tok_s["ours_multi"] / tok_s["peft_mixed"]
+                                    if "peft_mixed" in tok_s else None),
             "ratio_vs_peft_sequential": (tok_s["ours_multi"] / tok_s["peft_sequential"]
                                          if "peft_sequential" in tok_s else None),
             "multi_vs_base": tok_s["ours_multi"] / tok_s["ours_base"],
@@ -185,7 +189,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--peft-reps", type=int, default=3,
-                    help="reps of PEFT's mixed batch (at least 1, at most --reps)")
+                    help="reps of PEFT's mixed batch (at most --reps; 0: none)")
     ap.add_argument("--peft-sequential-reps", type=int, default=3,
                     help="reps of PEFT one adapter at a time (the slowest; at most --reps)")
     ap.add_argument("--concurrency", type=lambda s: [int(b) for b in s.split(",")],

@@ -55,7 +55,9 @@ def sgmv_shrink_kernel(x_ptr, x_stride, t_ptr, t_stride, t_split_stride, a_ptr, 
     rp = tl.load(blocks_ptr + i * 4 + 3)
     c0 = j * TILE
     if c0 < rp:
-        w = tl.minimum(rp - c0, TILE)  # this tile's width
+        # this tile's width. Packed ranks are padded to RANK_ALIGN (8): rounding rp down to a
+        # multiple of 8 changes nothing and tells the compiler, so its rows load as vectors.
+        w = tl.minimum(rp // 8 * 8 - c0, TILE)
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, TILE)
         row_ok = rows < row1
@@ -93,11 +95,23 @@ def sgmv_expand_kernel(t_ptr, t_stride, t_split_stride, n_splits, y_ptr, y_strid
     c0 = tl.load(parts_ptr + i * 8 + 5)
     n_cols = tl.load(parts_ptr + i * 8 + 6)
     boff = tl.load(parts_ptr + i * 8 + 7)
-    for q in tl.static_range(STRIPS):  # strips j*STRIPS .. j*STRIPS + STRIPS - 1
-        _expand_strip(t_ptr, t_stride, t_split_stride, n_splits, y_ptr, y_stride, b_ptr,
-                      b_slot_stride, slot, row0, row1, o0, r, c0, n_cols, boff,
-                      (tl.program_id(1) * STRIPS + q) * TILE, BLOCK_M, BLOCK_R, TILE,
-                      PRECISION)
+    # A part whose B block, strips and output columns all start on 8-element lines (every
+    # part of a model whose widths are multiples of 8) takes the same path with that said
+    # (x // 8 * 8 == x there: new values, so the other path's stay unsaid), so its B and y
+    # load and store as vectors; the sums are the same either way.
+    if (boff % 8 == 0) & (c0 % 8 == 0) & (n_cols % 8 == 0):
+        for q in tl.static_range(STRIPS):  # strips j*STRIPS .. j*STRIPS + STRIPS - 1
+            _expand_strip(t_ptr, t_stride, t_split_stride, n_splits, y_ptr, y_stride, b_ptr,
+                          b_slot_stride, slot, row0, row1, o0, r, c0 // 8 * 8, n_cols // 8 * 8,
+                          boff // 8 * 8,
+                          (tl.program_id(1) * STRIPS + q) * TILE, BLOCK_M, BLOCK_R, TILE,
+                          PRECISION)
+    else:
+        for q in tl.static_range(STRIPS):
+            _expand_strip(t_ptr, t_stride, t_split_stride, n_splits, y_ptr, y_stride, b_ptr,
+                          b_slot_stride, slot, row0, row1, o0, r, c0, n_cols, boff,
+                          (tl.program_id(1) * STRIPS + q) * TILE, BLOCK_M, BLOCK_R, TILE,
+                          PRECISION)
 
 
 @triton.jit
