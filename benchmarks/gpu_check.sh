@@ -13,7 +13,8 @@
 # the bundled model's tokenizer files in .gpu/tokenizer/ (the benchmarks' random models use
 # them; the tests build their own).
 #
-# For a shorter lease: PEFT_REPS (PEFT's mixed batch in gpu_serving, default 1; 0 skips PEFT),
+# A lent machine gets a copy of the working tree whose git commit may not be the one checked
+# out: name the commit where the results are recorded. For a shorter lease: PEFT_REPS (PEFT's mixed batch in gpu_serving, default 1; 0 skips PEFT),
 # CHURN_REPS (default 3), DECODE_SIDES (gpu_decode_step's sides, default torch,triton), and
 # OTHER_LORA_KERNELS, another triton_sgmv.py whose mixed decode step is profiled beside ours.
 set -u
@@ -34,7 +35,6 @@ tok=()
     python3 -c 'import torch, triton, transformers, peft; print("torch", torch.__version__,
 "cuda", torch.version.cuda, "triton", triton.__version__, "transformers",
 transformers.__version__, "peft", peft.__version__)'
-    git rev-parse --short HEAD 2>/dev/null
 } >"$raw/device.txt" 2>&1
 cat "$raw/device.txt"
 

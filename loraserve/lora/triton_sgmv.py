@@ -37,7 +37,7 @@ EXPAND_STRIPS = 1
 # rank in steps of min(this, the pool's max_lora_rank rounded up to a power of two), so a
 # rank-64 part takes one dependent step instead of four. The step depends on the pool alone,
 # never on the batch, so a token's sum is the same whatever adapters share its step.
-EXPAND_RANK_BLOCK = 16
+EXPAND_RANK_BLOCK = 64
 
 
 @triton.jit
