@@ -26,6 +26,28 @@ def scratch_dir(prefix: str) -> Path:
     return path
 
 
+KERNEL_MODULES = {"lora": "loraserve.lora.triton_sgmv",
+                  "attention": "loraserve.model.attention.triton_paged"}
+
+
+def set_kernel_shapes(spec: str | None) -> dict[str, int]:
+    """Program shapes of the Triton kernels for this run: "lora.EXPAND_STRIPS=2,
+    attention.BLOCK_N=32" sets those module constants (KERNEL_MODULES names the modules).
+    Returns the values they had, as a spec's items, to put them back."""
+    import importlib
+
+    before = {}
+    for item in filter(None, (spec or "").split(",")):
+        name, value = item.split("=")
+        module, const = name.split(".")
+        mod = importlib.import_module(KERNEL_MODULES[module])
+        if not isinstance(getattr(mod, const, None), int):
+            raise ValueError(f"{name} is not an integer constant of {mod.__name__}")
+        before.setdefault(name, getattr(mod, const))
+        setattr(mod, const, int(value))
+    return before
+
+
 def random_llama(shapes: dict, out: Path, dtype: torch.dtype,
                  tokenizer_dir: str | None = None) -> Path:
     """A randomly initialised Llama of `shapes` (LlamaConfig fields) saved to `out`, with the

@@ -5,22 +5,25 @@
 # after each phase: one file (a lease returns only a few), and whatever the phases before a
 # cut-off run finished.
 #
-#   benchmarks/gpu_check.sh OUT [PHASE...]   PHASE: tests decode profile serving churn
-#                                            (default: tests decode serving churn)
+#   benchmarks/gpu_check.sh OUT [PHASE...]   PHASE: tests decode shapes profile serving churn
+#                                            (default: tests decode shapes serving churn)
 #
 # The machine has torch, triton, transformers and peft, and no network. Packages it lacks, in
-# the versions pyproject.toml pins, travel as wheels in .whl/ (installed into /tmp/site), and
-# the bundled model's tokenizer files in .gpu/tokenizer/ (the benchmarks' random models use
-# them; the tests build their own).
+# the versions pyproject.toml pins, travel as wheels in .whl/ (installed into /tmp/site):
+# google-re2, llguidance, gguf, and jsonschema with jsonschema-specifications, referencing and
+# rpds-py (`pip download --no-deps --only-binary=:all: --python-version 3.12` with the
+# manylinux platforms). The bundled model's tokenizer files go in .gpu/tokenizer/ (the
+# benchmarks' random models use them; the tests build their own).
 #
 # A lent machine gets a copy of the working tree whose git commit may not be the one checked
-# out: name the commit where the results are recorded. For a shorter lease: PEFT_REPS (PEFT's mixed batch in gpu_serving, default 1; 0 skips PEFT),
-# CHURN_REPS (default 3), DECODE_SIDES (gpu_decode_step's sides, default torch,triton), and
-# OTHER_LORA_KERNELS, another triton_sgmv.py whose mixed decode step is profiled beside ours.
+# out: name the commit where the results are recorded. For a shorter lease: PEFT_REPS (PEFT's
+# mixed batch in gpu_serving, default 1; 0 skips PEFT), CHURN_REPS (default 3), DECODE_SIDES
+# (gpu_decode_step's sides, default torch,triton), and OTHER_LORA_KERNELS, another
+# triton_sgmv.py whose mixed decode step gpu_kernel_shapes times beside ours.
 set -u
 out=${1:?usage: benchmarks/gpu_check.sh OUT [PHASE...]}
 shift
-phases=${*:-tests decode serving churn}
+phases=${*:-tests decode shapes serving churn}
 mkdir -p "$out"
 raw=$(mktemp -d)
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH="$PWD"
@@ -48,7 +51,7 @@ phase() {  # name seconds command...
     tar -czf "$out/gpu_check.tgz" -C "$raw" .
 }
 
-expand=()  # the expand program shape gpu_decode_step found fastest, for the phases after it
+shapes=()  # the kernel shapes gpu_kernel_shapes found fastest, for the phases after it
 for p in $phases; do
     case $p in
     tests) phase tests 75 python3 -m pytest tests/gpu -m gpu -v -n 8 -p no:cacheprovider \
@@ -59,18 +62,20 @@ for p in $phases; do
             export LORASERVE_FUSED_GPU=0
         fi ;;
     decode) phase decode 90 python3 benchmarks/gpu_decode_step.py --pairs 1 "${tok[@]}" \
-        --sides "${DECODE_SIDES:-torch,triton}" \
-        ${OTHER_LORA_KERNELS:+--other-lora-kernels "$OTHER_LORA_KERNELS"} --json "$raw/gpu_decode_step.json"
-        best=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["sides"]
-["triton"].get("best_expand") or "")' "$raw/gpu_decode_step.json" 2>/dev/null)
-        [ -n "$best" ] && expand=(--lora-expand "$best") && echo "=== LoRA expand $best" ;;
+        --sides "${DECODE_SIDES:-torch,triton}" --json "$raw/gpu_decode_step.json" ;;
+    shapes) phase shapes 100 python3 benchmarks/gpu_kernel_shapes.py "${tok[@]}" \
+        ${OTHER_LORA_KERNELS:+--other-lora-kernels "$OTHER_LORA_KERNELS"} \
+        --json "$raw/gpu_kernel_shapes.json"
+        best=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["best"])' \
+            "$raw/gpu_kernel_shapes.json" 2>/dev/null)
+        [ -n "$best" ] && shapes=(--kernel-shapes "$best") && echo "=== kernel shapes $best" ;;
     profile) phase profile 60 python3 benchmarks/gpu_profile.py --step-reps 1 "${tok[@]}" \
         --json "$raw/gpu_profile.json" ;;
     serving) phase serving 110 python3 benchmarks/gpu_serving.py --models llama-1b \
-        --reps 3 --peft-reps "${PEFT_REPS:-1}" --peft-sequential-reps 0 "${tok[@]}" "${expand[@]}" \
+        --reps 3 --peft-reps "${PEFT_REPS:-1}" --peft-sequential-reps 0 "${tok[@]}" "${shapes[@]}" \
         --json "$raw/gpu_serving.json" ;;
     churn) phase churn 220 python3 benchmarks/gpu_churn.py --configs B,A,B-blocking \
-        --reps "${CHURN_REPS:-3}" "${tok[@]}" "${expand[@]}" --json "$raw/gpu_churn.json" ;;
+        --reps "${CHURN_REPS:-3}" "${tok[@]}" "${shapes[@]}" --json "$raw/gpu_churn.json" ;;
     *) echo "unknown phase $p" ;;
     esac
 done

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import random_llama, scratch_dir  # noqa: E402
-from gpu_serving import LLAMA_1B, SMOKE, set_lora_expand, sync  # noqa: E402
+from common import random_llama, scratch_dir, set_kernel_shapes  # noqa: E402
+from gpu_serving import LLAMA_1B, SMOKE, sync  # noqa: E402
 
 from loraserve import LLM, SamplingParams  # noqa: E402
 from loraserve.adapters.slot_copies import StreamSlotCopies  # noqa: E402
@@ -91,10 +91,11 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--lora-expand", default=None, metavar="STRIPS,RANK_BLOCK",
-                    help="the Triton LoRA expand's program shape (default: the module's)")
+    ap.add_argument("--kernel-shapes", default=None, metavar="SPEC",
+                    help='Triton kernel shapes, e.g. "lora.EXPAND_STRIPS=2,attention.BLOCK_N=32" '
+                         "(benchmarks/gpu_kernel_shapes.py finds the fastest)")
     args = ap.parse_args()
-    set_lora_expand(args.lora_expand)
+    set_kernel_shapes(args.kernel_shapes)
     device, dtype = ("cpu", "float32") if args.smoke else ("cuda", "bfloat16")
     if args.smoke:
         args.num_adapters, args.num_requests, args.request_rate = 6, 16, 50.0

@@ -4,9 +4,7 @@ profiler sees in a step (kernels launched, their summed device time, the rest of
 time: the host's share between replays). Then, on each side, a replayed decode step of 64
 sequences over 16 adapters (r8-64, all modules) and one of 64 base-only sequences through the
 same profiler: where a mixed step spends the time a base-only one does not (the LoRA shrink
-and expand kernels by name); on the Triton side also for each shape of the expand programs
-in EXPAND_VARIANTS, and the one whose LoRA kernels took the least device time (`best_expand`,
-which gpu_check.sh hands to the benchmarks after it).
+and expand kernels by name). benchmarks/gpu_kernel_shapes.py times the kernels' program shapes.
 
 One engine on the Llama-3.2-1B-shaped model of gpu_serving.py (bf16, random weights); the two
 sides alternate in one process (`LORASERVE_FUSED_GPU` off / on, the decode graphs recorded
@@ -19,8 +17,6 @@ again for each side), ABAB, so a drifting clock or a neighbour touches both.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import inspect
 import json
 import statistics
 import sys
@@ -31,14 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import random_llama, scratch_dir  # noqa: E402
-from gpu_serving import (  # noqa: E402
-    LLAMA_1B,
-    SMOKE,
-    copy_rate_gbs,
-    set_lora_expand,
-    sync,
-    time_loraserve,
-)
+from gpu_serving import LLAMA_1B, SMOKE, copy_rate_gbs, sync, time_loraserve  # noqa: E402
 
 from loraserve import LLM, SamplingParams  # noqa: E402
 from loraserve.bench.make_adapters import make_synthetic_adapters  # noqa: E402
@@ -106,59 +95,6 @@ def profile_mixed_step(llm: LLM, names: list[str | None], seqs: int, steps: int)
     return res
 
 
-EXPAND_VARIANTS = ((1, 16), (1, 32), (1, 64))  # (strips, rank step)
-
-
-def load_kernels(path: str):
-    """The Triton LoRA kernels from another source file (an earlier version, to compare in
-    the same process); an expand launcher without the rank step's argument is given one."""
-    spec = importlib.util.spec_from_file_location("lora_kernels_" + Path(path).stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    if "max_lora_rank" not in inspect.signature(mod.launch_expand).parameters:
-        launch = mod.launch_expand
-        mod.launch_expand = lambda *args: launch(*args[:6])
-    return mod
-
-
-def expand_variants(llm: LLM, names: list[str], seqs: int, device: str,
-                    other_kernels: str | None) -> dict:
-    """The mixed step again for each (column strips per expand program, rank rows per step of
-    its reduction) in EXPAND_VARIANTS (lora/triton_sgmv.EXPAND_STRIPS, EXPAND_RANK_BLOCK),
-    and with the kernels of `other_kernels` (a source file) at their defaults, graphs recorded
-    again for each, the defaults restored after; and the variant of ours whose LoRA kernels
-    took the least device time."""
-    from loraserve.lora import triton_sgmv
-
-    backend = llm.engine.runner.lora
-    default, out = (triton_sgmv.EXPAND_STRIPS, triton_sgmv.EXPAND_RANK_BLOCK), {}
-    variants = [(f"{a},{b}", triton_sgmv) for a, b in EXPAND_VARIANTS]
-    if other_kernels:
-        variants.append((Path(other_kernels).name, load_kernels(other_kernels)))
-    try:
-        for label, kernels in variants:
-            backend.kernels = kernels
-            if kernels is triton_sgmv:
-                set_lora_expand(label)
-            llm.engine.runner.enable_decode_graphs(
-                seqs, llm.engine.max_model_len, None if device == "cuda" else ReplayEmulator)
-            res = profile_mixed_step(llm, names, seqs, 8)
-            res["lora_ms"] = sum(ms for k, (ms, _) in res["top_kernels_ms_count"].items()
-                                 if k.startswith("sgmv_"))
-            out[label] = res
-            print("LoRA kernels", label, f"{res['lora_ms']:.3f} ms/step,",
-                  {k: round(ms, 3) for k, (ms, _) in res["top_kernels_ms_count"].items()
-                   if k.startswith("sgmv_")}, f"step {res['wall_ms']:.3f} ms", flush=True)
-    finally:
-        backend.kernels = triton_sgmv
-        set_lora_expand(",".join(map(str, default)))
-        llm.engine.runner.enable_decode_graphs(
-            seqs, llm.engine.max_model_len, None if device == "cuda" else ReplayEmulator)
-    ours = [label for label, kernels in variants if kernels is triton_sgmv and label in out]
-    return {"mixed_step_expand": out,
-            "best_expand": min(ours, key=lambda k: out[k]["lora_ms"]) if ours else None}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=128)
@@ -167,8 +103,6 @@ def main() -> None:
                     help="which element-wise sides to run (torch, triton or both)")
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--other-lora-kernels", default=None, metavar="FILE",
-                    help="another triton_sgmv.py (an earlier version) to profile beside ours")
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny random Llama on the CPU, graphs emulated: the script only")
     args = ap.parse_args()
@@ -201,9 +135,6 @@ def main() -> None:
                     sides[name]["profile"] = profile_step(llm, prompt, 32)
                     sides[name]["mixed_step"] = profile_mixed_step(llm, names, seqs, 8)
                     sides[name]["base_step"] = profile_mixed_step(llm, [None], seqs, 8)
-                    if name == "triton":
-                        sides[name].update(expand_variants(llm, names, seqs, device,
-                                                           args.other_lora_kernels))
                 except Exception as e:  # the timings above stand without it
                     sides[name]["profile_error"] = repr(e)
             print(name, pair, f"{sides[name]['ms'][-1]:.3f} ms/token", flush=True)

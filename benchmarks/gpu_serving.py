@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import random_llama, scratch_dir, write_result  # noqa: E402
+from common import random_llama, scratch_dir, set_kernel_shapes, write_result  # noqa: E402
 
 from loraserve import LLM, SamplingParams  # noqa: E402
 from loraserve.bench.make_adapters import make_synthetic_adapters  # noqa: E402
@@ -49,16 +49,6 @@ SMOKE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def set_lora_expand(spec: str | None) -> None:
-    """"STRIPS,RANK_BLOCK": the Triton LoRA expand's programs for this run (the module's
-    EXPAND_STRIPS and EXPAND_RANK_BLOCK); None leaves the defaults."""
-    if spec:
-        from loraserve.lora import triton_sgmv
-
-        strips, rank_block = (int(v) for v in spec.split(","))
-        triton_sgmv.EXPAND_STRIPS, triton_sgmv.EXPAND_RANK_BLOCK = strips, rank_block
 
 
 def copy_rate_gbs(device: str, mb: int = 1024) -> float:
@@ -199,10 +189,11 @@ def main() -> None:
                     help="a tiny random Llama and small numbers: checks the script, no figures")
     ap.add_argument("--tokenizer", default=None,
                     help="folder with the bundled model's tokenizer files (default: the model)")
-    ap.add_argument("--lora-expand", default=None, metavar="STRIPS,RANK_BLOCK",
-                    help="the Triton LoRA expand's program shape (default: the module's)")
+    ap.add_argument("--kernel-shapes", default=None, metavar="SPEC",
+                    help='Triton kernel shapes, e.g. "lora.EXPAND_STRIPS=2,attention.BLOCK_N=32" '
+                         "(benchmarks/gpu_kernel_shapes.py finds the fastest)")
     args = ap.parse_args()
-    set_lora_expand(args.lora_expand)
+    set_kernel_shapes(args.kernel_shapes)
     if args.smoke:
         args.models, args.num_adapters, args.num_prompts = "smoke", 4, 4
         args.input_len, args.output_len, args.reps = 8, 4, 1

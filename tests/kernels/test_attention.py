@@ -43,9 +43,14 @@ def make_backend(kind: str, block_size: int):
     return backend
 
 
-@pytest.mark.parametrize("kind", ["paged-kernel", "gather-sdpa", "triton"])
+@pytest.mark.parametrize("kind", ["paged-kernel", "gather-sdpa", "triton", "triton-tile64"])
 @pytest.mark.parametrize("nh,kvh,hd", [(4, 2, 16), (6, 2, 12), (3, 3, 64), (8, 1, 8)])
-def test_attention_backends_equal_the_reference(kind, nh, kvh, hd):
+def test_attention_backends_equal_the_reference(kind, nh, kvh, hd, monkeypatch):
+    if kind == "triton-tile64":  # context tiles of 64 tokens (triton_paged.BLOCK_N)
+        from loraserve.model.attention import triton_paged
+
+        monkeypatch.setattr(triton_paged, "BLOCK_N", 64)
+        kind = "triton"
     rng = random.Random(nh * 100 + hd)
     torch.manual_seed(nh * 100 + hd)
     bs, num_blocks = 4, 320

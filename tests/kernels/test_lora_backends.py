@@ -127,10 +127,11 @@ def test_pool_tile_width_follows_the_backend_that_will_run(monkeypatch):
 
 
 @pytest.mark.parametrize("rank_block", [16, 64])
-@pytest.mark.parametrize("strips", [2, 3])
+@pytest.mark.parametrize("strips", [2, 4])
 def test_triton_expand_strips_per_program_change_no_bit(monkeypatch, strips, rank_block):
     """More 64-column strips per expand program (fewer programs in a replayed graph's worst-case
-    grid) computes each strip's sum exactly as one strip per program does, at either step of
+    grid, each strip's columns in the same product) computes each sum exactly as one strip per
+    program does, at either step of
     the reduction over the rank; and every step matches the reference."""
     from loraserve.lora import triton_sgmv
 
@@ -155,6 +156,32 @@ def test_triton_expand_strips_per_program_change_no_bit(monkeypatch, strips, ran
             outs.append(got)
         assert torch.equal(outs[0], outs[1]), group
         torch.testing.assert_close(outs[0], want, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_long_segments_take_bigger_blocks_with_the_same_sums(monkeypatch):
+    """Prompt-long segments go LONG_BLOCK_M tokens a program (each tile read once per 64 rows);
+    a step of decodes keeps BLOCK_M; both match the reference."""
+    from loraserve.lora import triton_sgmv
+
+    rng = random.Random(11)
+    pool, adapters = random_pool(rng)
+    backend = create_lora_backend(pool, "triton")
+    assert triton_sgmv.rows_per_program([1, 3, 2]) == triton_sgmv.BLOCK_M
+    long_seqs = [(0, 70), (None, 5), (2, 130), (3, 64)]
+    plan = backend.plan(long_seqs)
+    assert {data[4] for data in plan.groups.values()} == {triton_sgmv.LONG_BLOCK_M}
+    token_slots = LoraBatch.build(long_seqs, pool).token_slots()
+    g = torch.Generator().manual_seed(3)
+    for group, lay in pool.layouts.items():
+        if group not in plan.groups:
+            continue
+        x = torch.randn(len(token_slots), lay.d_in, generator=g)
+        y = torch.randn(len(token_slots), lay.d_out, generator=g)
+        mods = [None if s < 0 else adapters[s].layers[0] for s in token_slots]
+        want = lora_reference(x, y.clone(), mods, lay)
+        got = y.clone()
+        backend.apply(plan, 0, group, x, got)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_triton_expand_rank_step_follows_the_pool_not_the_batch(monkeypatch):

@@ -63,13 +63,14 @@ for dtype in ("fp32", "bf16", "fp16"):
          {"BLOCK_M": 16, "BLOCK_N": 32, "HD": 64,
           "PRECISION": "ieee" if dtype == "fp32" else "tf32"})
     for precision, native in (("ieee", False), ("tf32", False), ("tf32", dtype != "fp32")):
-        ttir(triton_sgmv.sgmv_shrink_kernel, typer({"x_ptr", "a_ptr"}, dtype),
-             {"BLOCK_M": 16, "BLOCK_K": 128, "TILE": 64, "NATIVE": native,
-              "PRECISION": precision})
-        for rank_block in (16, 64):
-            ttir(triton_sgmv.sgmv_expand_kernel, typer({"y_ptr", "b_ptr"}, dtype),
-                 {"BLOCK_M": 16, "BLOCK_R": rank_block, "TILE": 64, "PRECISION": precision,
-                  "STRIPS": 4})
+        for block_m in (16, 64):
+            ttir(triton_sgmv.sgmv_shrink_kernel, typer({"x_ptr", "a_ptr"}, dtype),
+                 {"BLOCK_M": block_m, "BLOCK_K": 128, "TILE": 64, "NATIVE": native,
+                  "PRECISION": precision})
+            for rank_block in (16, 64):
+                ttir(triton_sgmv.sgmv_expand_kernel, typer({"y_ptr", "b_ptr"}, dtype),
+                     {"BLOCK_M": block_m, "BLOCK_R": rank_block, "TILE": 64,
+                      "PRECISION": precision, "STRIPS": 4})
 
     def elementwise(name, dtype=dtype):
         if name == "pos_ptr":

@@ -17,8 +17,8 @@ from loraserve.lora.batch import LoraBatch, SlotWeights
 from loraserve.lora.layout import GROUPS, padded_rank
 
 # One group's launches: shrink blocks [n, 4], expand parts [m, 8] (int64, on the device), the
-# widest padded rank and the widest module output.
-TritonPlan = tuple[torch.Tensor, torch.Tensor, int, int]
+# widest padded rank, the widest module output and the tokens per block.
+TritonPlan = tuple[torch.Tensor, torch.Tensor, int, int, int]
 
 
 class TritonUnavailable(RuntimeError):
@@ -44,16 +44,17 @@ class TritonLoraBackend(LoraBackend):
 
     def plan_group(self, batch: LoraBatch, group: str,
                    segments: list[tuple[int, int, int, int]]) -> TritonPlan:
-        blocks, parts = self._work(group, segments)
+        bm = self.kernels.rows_per_program([b - a for _, a, b, _ in segments])
+        blocks, parts = self._work(group, segments, bm)
         dev = self.weights.device
         return (torch.tensor(blocks, dtype=torch.int64, device=dev),
                 torch.tensor(parts, dtype=torch.int64, device=dev),
-                max(b[3] for b in blocks), max(p[6] for p in parts))
+                max(b[3] for b in blocks), max(p[6] for p in parts), bm)
 
-    def _work(self, group: str, segments: list[tuple[int, int, int, int]]
+    def _work(self, group: str, segments: list[tuple[int, int, int, int]], bm: int
               ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-        """The shrink blocks and expand parts of one group's segments."""
-        bm = self.kernels.BLOCK_M
+        """The shrink blocks (of up to `bm` tokens) and expand parts of one group's
+        segments."""
         blocks, parts = [], []
         for s, a, b, r in segments:
             for row0 in range(a, b, bm):
@@ -75,7 +76,8 @@ class TritonLoraBackend(LoraBackend):
         take = take or (lambda *shape: torch.zeros(shape, dtype=torch.int64, device=dev))
         for g, lay in self.weights.layouts.items():
             groups[g] = (take(max_tokens, 4), take(max_tokens * len(GROUPS[g]), 8),
-                         lay.rank_capacity(self.weights.max_lora_rank), max(lay.d_outs))
+                         lay.rank_capacity(self.weights.max_lora_rank), max(lay.d_outs),
+                         self.kernels.BLOCK_M)
         return LoraPlan(LoraBatch(max_tokens, ()), groups)
 
     @staticmethod
@@ -83,8 +85,8 @@ class TritonLoraBackend(LoraBackend):
         """The first `num_tokens` tokens' share of a graph plan (one per batch-size bucket:
         views, so filling the big plan fills every bucket's)."""
         return LoraPlan(LoraBatch(num_tokens, ()), {
-            g: (blocks[:num_tokens], parts[:num_tokens * len(GROUPS[g])], rp, cols)
-            for g, (blocks, parts, rp, cols) in plan.groups.items()})
+            g: (blocks[:num_tokens], parts[:num_tokens * len(GROUPS[g])], rp, cols, bm)
+            for g, (blocks, parts, rp, cols, bm) in plan.groups.items()})
 
     def fill_graph_plan(self, plan: LoraPlan, seq_slots) -> None:
         """Write this step's segments into a graph plan's tensors (rows past them: zeros)."""
@@ -92,18 +94,18 @@ class TritonLoraBackend(LoraBackend):
         if batch.num_tokens > plan.batch.num_tokens:
             raise ValueError(f"{batch.num_tokens} tokens in a graph plan for "
                              f"{plan.batch.num_tokens}")
-        for g, (blocks_t, parts_t, _, _) in plan.groups.items():
+        for g, (blocks_t, parts_t, _, _, bm) in plan.groups.items():
             segs = batch.group_segments(g)
             blocks_t.zero_()
             parts_t.zero_()
             if segs:
-                blocks, parts = self._work(g, segs)
+                blocks, parts = self._work(g, segs, bm)
                 blocks_t[: len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
                 parts_t[: len(parts)] = torch.tensor(parts, dtype=torch.int64)
 
     def apply_group(self, plan: TritonPlan, group_A: torch.Tensor, group_B: torch.Tensor,
                     x: torch.Tensor, y: torch.Tensor) -> None:
-        blocks, parts, max_rp, max_cols = plan
+        blocks, parts, max_rp, max_cols, bm = plan
         if blocks.shape[0] == 0:
             return  # every segment of the group is empty
         # t: the partial sums over d_in's parts, [splits, T, widest padded rank] float32; only
@@ -111,6 +113,6 @@ class TritonLoraBackend(LoraBackend):
         t = torch.empty(self.kernels.k_splits(x.shape[1]), x.shape[0], max_rp,
                         dtype=torch.float32, device=x.device)
         self.kernels.launch_shrink(x, t, group_A, blocks, blocks.shape[0], max_rp,
-                                   x.shape[1])
+                                   x.shape[1], bm)
         self.kernels.launch_expand(t, y, group_B, parts, parts.shape[0], max_cols,
-                                   self.weights.max_lora_rank)
+                                   self.weights.max_lora_rank, bm)
