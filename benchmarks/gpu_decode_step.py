@@ -95,6 +95,26 @@ def profile_mixed_step(llm: LLM, names: list[str | None], seqs: int, steps: int)
     return res
 
 
+def mixed_engine(smoke: bool, tokenizer: str | None, scratch: str
+                 ) -> tuple[LLM, list[str], int]:
+    """The engine these scripts time: the Llama-3.2-1B-shaped model (bf16, random weights)
+    with 16 adapters r8-64 on all modules and decode graphs up to 64 sequences (`smoke`: a
+    tiny float32 model on the CPU, 4 adapters, the Triton kernels interpreted); with the
+    adapters' names and the mixed step's sequence count."""
+    device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
+    work = scratch_dir(scratch)
+    model_dir = random_llama(SMOKE if smoke else LLAMA_1B, work / "model", dtype, tokenizer)
+    cpu = {"attention_backend": "triton", "lora_backend": "triton"} if smoke else {}
+    paths = make_synthetic_adapters(model_dir, work, 4 if smoke else 16,
+                                    ranks=(4, 8) if smoke else (8, 16, 32, 64))
+    names = [p.name for p in paths]
+    seqs = 4 if smoke else 64
+    llm = LLM(model_dir, device=device, dtype=str(dtype).removeprefix("torch."),
+              lora_paths={p.name: str(p) for p in paths}, max_loras_per_batch=len(names),
+              max_lora_rank=64, enable_prefix_caching=False, cuda_graph_max_bs=seqs, **cpu)
+    return llm, names, seqs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=128)
@@ -106,20 +126,10 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny random Llama on the CPU, graphs emulated: the script only")
     args = ap.parse_args()
-    device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
+    device = "cpu" if args.smoke else "cuda"
     if args.smoke:
         args.tokens, args.pairs = 8, 1
-    work = scratch_dir("loraserve-gpu-decode-")
-    model_dir = random_llama(SMOKE if args.smoke else LLAMA_1B, work / "model", dtype,
-                             args.tokenizer)
-    cpu = {"attention_backend": "triton", "lora_backend": "triton"} if args.smoke else {}
-    paths = make_synthetic_adapters(model_dir, work, 4 if args.smoke else 16,
-                                    ranks=(4, 8) if args.smoke else (8, 16, 32, 64))
-    names = [p.name for p in paths]
-    seqs = 4 if args.smoke else 64
-    llm = LLM(model_dir, device=device, dtype=str(dtype).removeprefix("torch."),
-              lora_paths={p.name: str(p) for p in paths}, max_loras_per_batch=len(names),
-              max_lora_rank=64, enable_prefix_caching=False, cuda_graph_max_bs=seqs, **cpu)
+    llm, names, seqs = mixed_engine(args.smoke, args.tokenizer, "loraserve-gpu-decode-")
     runner = llm.engine.runner
     prompt = list(range(100, 132))
     sides: dict[str, dict] = {name: {"ms": []} for name in args.sides.split(",")}

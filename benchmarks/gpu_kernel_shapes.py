@@ -29,12 +29,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import random_llama, scratch_dir, set_kernel_shapes  # noqa: E402
-from gpu_decode_step import per_token_ms, profile_mixed_step, profiled  # noqa: E402
-from gpu_serving import LLAMA_1B, SMOKE  # noqa: E402
+from common import set_kernel_shapes  # noqa: E402
+from gpu_decode_step import (  # noqa: E402
+    mixed_engine,
+    per_token_ms,
+    profile_mixed_step,
+    profiled,
+)
 
 from loraserve import LLM, SamplingParams  # noqa: E402
-from loraserve.bench.make_adapters import make_synthetic_adapters  # noqa: E402
 from loraserve.engine.cuda_graphs import ReplayEmulator  # noqa: E402
 
 FAMILIES = {  # family: (candidates, kernel-name prefix, what is timed)
@@ -104,23 +107,12 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny random Llama on the CPU, graphs emulated: the script only")
     args = ap.parse_args()
-    device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
     emulate = ReplayEmulator if args.smoke else None
-    work = scratch_dir("loraserve-gpu-shapes-")
-    model_dir = random_llama(SMOKE if args.smoke else LLAMA_1B, work / "model", dtype,
-                             args.tokenizer)
-    cpu = {"attention_backend": "triton", "lora_backend": "triton"} if args.smoke else {}
-    paths = make_synthetic_adapters(model_dir, work, 4 if args.smoke else 16,
-                                    ranks=(4, 8) if args.smoke else (8, 16, 32, 64))
-    names = [p.name for p in paths]
-    seqs = 4 if args.smoke else 64
-    llm = LLM(model_dir, device=device, dtype=str(dtype).removeprefix("torch."),
-              lora_paths={p.name: str(p) for p in paths}, max_loras_per_batch=len(names),
-              max_lora_rank=64, enable_prefix_caching=False, cuda_graph_max_bs=seqs, **cpu)
+    llm, names, seqs = mixed_engine(args.smoke, args.tokenizer, "loraserve-gpu-shapes-")
     runner, backend = llm.engine.runner, llm.engine.runner.lora
     prompt = list(range(100, 132))
     per_token_ms(llm, prompt, 8)  # warm-up: Triton compiles, the allocator settles
-    res: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+    res: dict = {"device": "cpu" if args.smoke else torch.cuda.get_device_name(),
                  "torch": torch.__version__, "families": {}}
     best = []
     for family, (candidates, prefix, what) in FAMILIES.items():
