@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Every GPU check in one run that fits a lent GPU machine's time (about ten minutes): the gpu
-# test tier (tests/gpu), then the benchmarks. Each phase has its own time limit, so a phase
-# that hangs costs only its share. Logs and results go into OUT/gpu_check.tgz, written again
+# Every GPU check in one run that fits a lent GPU machine's time: the gpu test tier
+# (tests/gpu), then the benchmarks. The default phases' limits add up to 560 s, under a lent
+# machine's 600 s a command. Each phase has its own time limit, so a phase that hangs costs
+# only its share. Logs and results go into OUT/gpu_check.tgz, written again
 # after each phase: one file (a lease returns only a few), and whatever the phases before a
 # cut-off run finished.
 #
@@ -61,7 +62,7 @@ for p in $phases; do
             echo "=== element-wise kernels failed: LORASERVE_FUSED_GPU=0 from here on"
             export LORASERVE_FUSED_GPU=0
         fi ;;
-    decode) phase decode 90 python3 benchmarks/gpu_decode_step.py --pairs 1 "${tok[@]}" \
+    decode) phase decode 75 python3 benchmarks/gpu_decode_step.py --pairs 1 "${tok[@]}" \
         --sides "${DECODE_SIDES:-torch,triton}" --json "$raw/gpu_decode_step.json" ;;
     shapes) phase shapes 100 python3 benchmarks/gpu_kernel_shapes.py "${tok[@]}" \
         ${OTHER_LORA_KERNELS:+--other-lora-kernels "$OTHER_LORA_KERNELS"} \
@@ -74,7 +75,7 @@ for p in $phases; do
     serving) phase serving 110 python3 benchmarks/gpu_serving.py --models llama-1b \
         --reps 3 --peft-reps "${PEFT_REPS:-1}" --peft-sequential-reps 0 "${tok[@]}" "${shapes[@]}" \
         --json "$raw/gpu_serving.json" ;;
-    churn) phase churn 220 python3 benchmarks/gpu_churn.py --configs B,A,B-blocking \
+    churn) phase churn 200 python3 benchmarks/gpu_churn.py --configs B,A,B-blocking \
         --reps "${CHURN_REPS:-3}" "${tok[@]}" "${shapes[@]}" --json "$raw/gpu_churn.json" ;;
     *) echo "unknown phase $p" ;;
     esac
