@@ -1,10 +1,11 @@
 """Batch-1 decode on a GPU, replayed from CUDA graphs, with the element-wise steps as Triton
-kernels (ops/triton_elementwise.py) against torch's ops: time per token, and what the torch
+kernels (ops/triton_elementwise.py) against torch's ops: time per token, what the torch
 profiler sees in a step (kernels launched, their summed device time, the rest of the wall
-time: the host's share between replays). Then, on each side, a replayed decode step of 64
-sequences over 16 adapters (r8-64, all modules) and one of 64 base-only sequences through the
-same profiler: where a mixed step spends the time a base-only one does not (the LoRA shrink
-and expand kernels by name). benchmarks/gpu_kernel_shapes.py times the kernels' program shapes.
+time: the host's share between replays), and the host's time by part of a step
+(host_split). Then, on each side, a replayed decode step of 64 sequences over 16 adapters
+(r8-64, all modules) and one of 64 base-only sequences through the same profiler: where a
+mixed step spends the time a base-only one does not (the LoRA shrink and expand kernels by
+name). benchmarks/gpu_kernel_shapes.py times the kernels' program shapes.
 
 One engine on the Llama-3.2-1B-shaped model of gpu_serving.py (bf16, random weights); the two
 sides alternate in one process (`LORASERVE_FUSED_GPU` off / on, the decode graphs recorded
@@ -95,6 +96,39 @@ def profile_mixed_step(llm: LLM, names: list[str | None], seqs: int, steps: int)
     return res
 
 
+def host_split(llm: LLM, prompt: list[int], tokens: int) -> dict:
+    """Where a batch-1 decode token's wall time goes on the host, median microseconds per call:
+    the engine step, the runner's execute within it, the decode graphs' run (inputs filled
+    and copied, replay launched: host work while the device is idle), the replay call alone,
+    and sampling (which waits for the replay's logits). What a step spends outside `run` and
+    `sample` is host time the device also waits for."""
+    from loraserve.engine import cuda_graphs, engine, runner
+
+    spent: dict[str, list[float]] = {}
+    targets = [(engine.LLMEngine, "step", "step_us"), (runner.ModelRunner, "execute",
+               "execute_us"), (cuda_graphs.DecodeGraphs, "run", "graphs_run_us"),
+               (cuda_graphs.CudaGraph, "replay", "replay_us"), (runner, "sample", "sample_us")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+
+    def timed(fn, key):
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent.setdefault(key, []).append(1e6 * (time.perf_counter() - t))
+        return call
+
+    try:
+        for (owner, name, key), (_, _, fn) in zip(targets, saved, strict=True):
+            setattr(owner, name, timed(fn, key))
+        per_token_ms(llm, prompt, tokens)
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    return {k: statistics.median(v) for k, v in spent.items()}
+
+
 def mixed_engine(smoke: bool, tokenizer: str | None, scratch: str
                  ) -> tuple[LLM, list[str], int]:
     """The engine these scripts time: the Llama-3.2-1B-shaped model (bf16, random weights)
@@ -143,6 +177,7 @@ def main() -> None:
             if pair == 0:
                 try:
                     sides[name]["profile"] = profile_step(llm, prompt, 32)
+                    sides[name]["host_split"] = host_split(llm, prompt, 64)
                     sides[name]["mixed_step"] = profile_mixed_step(llm, names, seqs, 8)
                     sides[name]["base_step"] = profile_mixed_step(llm, [None], seqs, 8)
                 except Exception as e:  # the timings above stand without it
