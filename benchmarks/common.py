@@ -30,6 +30,13 @@ KERNEL_MODULES = {"lora": "loraserve.lora.triton_sgmv",
                   "attention": "loraserve.model.attention.triton_paged"}
 
 
+def add_kernel_shapes_argument(ap) -> None:
+    """--kernel-shapes SPEC on an argparse parser: the run's set_kernel_shapes spec."""
+    ap.add_argument("--kernel-shapes", default=None, metavar="SPEC",
+                    help='Triton kernel shapes, e.g. "lora.EXPAND_STRIPS=2,attention.BLOCK_N=32" '
+                         "(benchmarks/gpu_kernel_shapes.py finds the fastest)")
+
+
 def set_kernel_shapes(spec: str | None) -> dict[str, int]:
     """Program shapes of the Triton kernels for this run: "lora.EXPAND_STRIPS=2,
     attention.BLOCK_N=32" sets those module constants (KERNEL_MODULES names the modules).

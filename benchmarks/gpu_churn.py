@@ -24,7 +24,12 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import random_llama, scratch_dir, set_kernel_shapes  # noqa: E402
+from common import (  # noqa: E402
+    add_kernel_shapes_argument,
+    random_llama,
+    scratch_dir,
+    set_kernel_shapes,
+)
 from gpu_serving import LLAMA_1B, SMOKE, sync  # noqa: E402
 
 from loraserve import LLM, SamplingParams  # noqa: E402
@@ -91,9 +96,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--kernel-shapes", default=None, metavar="SPEC",
-                    help='Triton kernel shapes, e.g. "lora.EXPAND_STRIPS=2,attention.BLOCK_N=32" '
-                         "(benchmarks/gpu_kernel_shapes.py finds the fastest)")
+    add_kernel_shapes_argument(ap)
     args = ap.parse_args()
     set_kernel_shapes(args.kernel_shapes)
     device, dtype = ("cpu", "float32") if args.smoke else ("cuda", "bfloat16")
@@ -143,6 +146,7 @@ def main() -> None:
             print(name, json.dumps(reps[-1]), flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps(res, indent=1))
+
 
 if __name__ == "__main__":
     main()

@@ -28,7 +28,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import random_llama, scratch_dir, set_kernel_shapes, write_result  # noqa: E402
+from common import (  # noqa: E402
+    add_kernel_shapes_argument,
+    random_llama,
+    scratch_dir,
+    set_kernel_shapes,
+    write_result,
+)
 
 from loraserve import LLM, SamplingParams  # noqa: E402
 from loraserve.bench.make_adapters import make_synthetic_adapters  # noqa: E402
@@ -189,9 +195,7 @@ def main() -> None:
                     help="a tiny random Llama and small numbers: checks the script, no figures")
     ap.add_argument("--tokenizer", default=None,
                     help="folder with the bundled model's tokenizer files (default: the model)")
-    ap.add_argument("--kernel-shapes", default=None, metavar="SPEC",
-                    help='Triton kernel shapes, e.g. "lora.EXPAND_STRIPS=2,attention.BLOCK_N=32" '
-                         "(benchmarks/gpu_kernel_shapes.py finds the fastest)")
+    add_kernel_shapes_argument(ap)
     args = ap.parse_args()
     set_kernel_shapes(args.kernel_shapes)
     if args.smoke:
