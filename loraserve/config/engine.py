@@ -96,6 +96,11 @@ class EngineConfig:
         False, "on a GPU, run decode steps eagerly instead of replaying recorded CUDA graphs")
     cuda_graph_max_bs: int = knob(
         128, "on a GPU, the largest decode batch replayed from a CUDA graph (larger: eager)")
+    decode_steps_per_call: int = knob(
+        8, "on a CPU, when every running request is a greedy decode on the base model and "
+           "nothing waits, run up to this many decode steps in one call into the native "
+           "decode loop (the token picked inside it; the same tokens as one step a call), "
+           "each call kept to about 20 ms; 1: one step a call")
     max_model_len: int | None = knob(
         None, "context length (default: the model's max_position_embeddings)")
     starvation_steps: int = knob(
@@ -179,7 +184,7 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         for name in ("max_num_seqs", "max_num_batched_tokens", "starvation_steps",
-                     "cuda_graph_max_bs"):
+                     "cuda_graph_max_bs", "decode_steps_per_call"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:

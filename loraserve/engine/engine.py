@@ -41,6 +41,7 @@ from loraserve.model.tokenizer import Tokenizer
 from loraserve.ops.native_memory import MemoryTrimmer
 from loraserve.request import Request
 from loraserve.scheduler.batch import ScheduledBatch, StepOutput
+from loraserve.scheduler.decode_runs import DecodeRuns
 from loraserve.scheduler.scheduler import Scheduler
 from loraserve.types import FinishReason, RequestOutput
 
@@ -93,6 +94,8 @@ class LLMEngine(RequestIntake, AdapterAdmin):
         # adapters change no token embedding, so every route shares the base's grammars
         self.grammars = GrammarCompiler(self.tokenizer.hf, mc.vocab_size, eos)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.decode_runs = DecodeRuns(c.decode_steps_per_call if self.device.type == "cpu"
+                                      else 1)
         self.info = M.EngineInfo(
             model_name=mc.name, model_path=str(self.model_path), model_config=mc,
             max_model_len=self.max_model_len, kv_capacity_tokens=self.kv.capacity_tokens,
@@ -118,18 +121,40 @@ class LLMEngine(RequestIntake, AdapterAdmin):
             self.num_steps += 1
             self.runner.copy_blocks(batch.block_copies)  # forks' copies of a partial block
             start = time.perf_counter()
-            output, broken = self._execute(batch, store.bind(batch.adapter_uids))
+            outputs, broken = self._run(batch, store.bind(batch.adapter_uids))
             if not broken:  # what steps cost sizes the next steps' prefill budget
-                sched.observe(batch, time.perf_counter() - start)
+                seconds = (time.perf_counter() - start) / len(outputs)
+                sched.observe(batch, seconds)
+                self.decode_runs.observe(batch, seconds)
             ended += broken
-            sampled = sched.update_from_output(batch, output)
-            ended += sched.end_without_token(batch, output)
-            for req in self.output_processor.process(sampled):  # ended by a stop string
-                sched.finish(req, FinishReason.STOP)
+            for output in outputs:
+                if sampled:  # a run's later step: those its earlier tokens ended take none
+                    batch = batch.unfinished()
+                    output = output.only({req.request_id for req, _ in batch.entries})
+                got = sched.update_from_output(batch, output)
+                ended += sched.end_without_token(batch, output)
+                for req in self.output_processor.process(got):  # ended by a stop string
+                    sched.finish(req, FinishReason.STOP)
+                sampled += got
+            sampled = list(dict.fromkeys(sampled))  # one output a request: its state after all
         elif sched.waiting and not sched.running:
             store.wait_for_loads(timeout=0.05)  # only an adapter load can make progress
         self.trimmer.maybe_trim()
         return [self._output(r) for r in ended + sampled]
+
+    def _run(self, batch: ScheduledBatch, slots: dict[int, int]
+             ) -> tuple[list[StepOutput], list[Request]]:
+        """The batch's step, or a run of its next decode steps in one call where it may take
+        one (scheduler/decode_runs.py): each step's output, and the requests it broke."""
+        steps = (self.decode_runs.steps(self.scheduler, batch)
+                 if self.runner.runs_greedy(batch) else 1)
+        if steps > 1:
+            try:
+                return self.runner.execute_greedy_run(batch, steps), []
+            except Exception:  # its blocks stay reserved for the steps to come
+                log.exception("a run of %d decode steps failed; taking one step", steps)
+        output, broken = self._execute(batch, slots)
+        return [output], broken
 
     def _execute(self, batch: ScheduledBatch, slots: dict[int, int]) -> tuple[StepOutput,
                                                                             list[Request]]:
@@ -274,3 +299,4 @@ class LLMEngine(RequestIntake, AdapterAdmin):
 
     def shutdown(self) -> None:
         self.store.shutdown()
+

@@ -155,6 +155,29 @@ class ModelRunner:
                               res.top_logprobs, prompt_logprobs=scores)
         return _advance_grammars(samplers, res, scores)
 
+    def runs_greedy(self, batch: ScheduledBatch) -> bool:
+        """Whether the model can run several of `batch`'s steps in one call: the native decode
+        loop with its greedy head, decodes of base-model requests whose token is their
+        logits' first maximum, asking for nothing else of them (no logprobs, penalties,
+        biases, min_tokens or grammar)."""
+        native = self.model.native
+        if native is None or native.greedy_head is None or \
+                not native.fits_attention(self.attention):
+            return False
+        return all(n == 1 and _plain_greedy(req) for req, n in batch.entries)
+
+    def execute_greedy_run(self, batch: ScheduledBatch, steps: int) -> list[StepOutput]:
+        """`steps` decode steps of `batch` (runs_greedy) in one call, each step's tokens as
+        its own StepOutput; every request's blocks already hold all of the steps' K/V."""
+        reqs = [req for req, _ in batch.entries]
+        with torch.inference_mode():
+            tokens = self.model.native.greedy(
+                [r.all_token_ids[-1] for r in reqs], [r.num_computed_tokens for r in reqs],
+                [r.block_table for r in reqs], steps, self.kv_caches, self.attention,
+                self.model.ropes[0].max_positions)
+        ids = [r.request_id for r in reqs]
+        return [StepOutput(ids, row) for row in tokens]
+
     @staticmethod
     def _prompt_scores(scored: list[tuple[Request, int, int]],
                        logits: torch.Tensor) -> dict[str, list[tuple[int, PromptLogprob]]]:
@@ -167,6 +190,13 @@ class ModelRunner:
         for (req, p, _), v in zip(scored, values, strict=True):
             out.setdefault(req.request_id, []).append((p, v))
         return out
+
+
+def _plain_greedy(req: Request) -> bool:
+    """A base-model decode past its prompt whose next token is its logits' first maximum."""
+    p = req.params
+    return (req.adapter_uid is None and req.num_output_tokens > 0 and p.greedy
+            and not p.processes_logits and p.logprobs is None and req.grammar is None)
 
 
 def _advance_grammars(samplers: list[Request], res: SampleResult,

@@ -104,6 +104,10 @@ class KVCacheManager:
         held = len(req.block_table) + len(prefix.blocks)
         return max(0, -(-total // self.block_size) - held)
 
+    def blocks_needed(self, req: Request, num_new_tokens: int) -> int:
+        """Blocks `allocate(req, num_new_tokens)` takes from the pool (a running request)."""
+        return self._blocks_needed(req, num_new_tokens, NO_PREFIX)
+
     def can_allocate(self, req: Request, num_new_tokens: int, prefix: Prefix = NO_PREFIX) -> bool:
         # Reused blocks nobody holds leave the free queue too.
         idle = sum(1 for b in prefix.blocks if self.pool.ref[b] == 0)

@@ -300,3 +300,56 @@ int native_decode(const model_t *m, const layer_t *layers, int64_t n_layers, flo
     }
     return rc;
 }
+
+/* ---- Several greedy decode steps in one call ---------------------------------------------- */
+
+/* What turns the last layer's residual stream into the next token: the final norm, lm_head
+ * (a projection as above, outside any team, as the model's Python calls it) and the
+ * embedding table the next step reads its input rows from */
+typedef struct {
+    projection_t head;
+    const float *final_norm; /* [d] */
+    const float *embed;      /* [rows, d], the family's scale applied */
+} greedy_head_t;
+
+/* A row's first maximum, NaN counting as the maximum: numpy's argmax, which the sampler takes
+ * for greedy rows. Two passes, each one the compiler vectorizes: the maximum (and whether
+ * any NaN), then the first index that holds it. */
+static int64_t first_argmax(const float *x, int64_t n) {
+    float top = x[0];
+    int any_nan = 0;
+    for (int64_t i = 0; i < n; i++) {
+        top = x[i] > top ? x[i] : top;
+        any_nan |= x[i] != x[i];
+    }
+    for (int64_t i = 0; i < n; i++)
+        if (any_nan ? x[i] != x[i] : x[i] == top) return i;
+    return 0;
+}
+
+/* `steps` decode steps of B greedy rows: each step's rows are embedded from ids[k] (ids is
+ * [steps + 1][B]: the first row in, the tokens out), run through every layer (native_decode),
+ * normed, projected to logits [B, vocab] and their first maxima written to ids[k + 1].
+ * positions, slots and lens are [steps][B]: step k's, the tables hold every step's blocks.
+ * Returns 0, a 1-based layer as native_decode does, or n_layers + 1 where lm_head refused. */
+int native_decode_greedy(const model_t *m, const layer_t *layers, int64_t n_layers,
+                         const greedy_head_t *g, int64_t steps, int64_t B, int64_t *ids,
+                         const int64_t *positions, const int64_t *slots, const int64_t *rows,
+                         const int64_t *tables, int64_t table_stride, const int64_t *lens,
+                         float *h, float *normed, float *logits, float *scratch, void *work,
+                         int nthreads) {
+    const int64_t d = m->d, vocab = g->head.n;
+    for (int64_t k = 0; k < steps; k++) {
+        for (int64_t r = 0; r < B; r++)
+            memcpy(h + r * d, g->embed + ids[k * B + r] * d, 4 * d);
+        const int rc = native_decode(m, layers, n_layers, h, B, positions + k * B,
+                                     slots + k * B, rows, tables, table_stride, lens + k * B,
+                                     scratch, work, nthreads, NULL, NULL);
+        if (rc) return rc;
+        m->rms_norm(h, d, g->final_norm, normed, d, B, d, m->eps, nthreads);
+        if (project(&g->head, 0, normed, d, B, logits, work, nthreads)) return (int)n_layers + 1;
+        for (int64_t r = 0; r < B; r++)
+            ids[(k + 1) * B + r] = first_argmax(logits + r * vocab, vocab);
+    }
+    return 0;
+}

@@ -62,6 +62,10 @@ class _Model(ctypes.Structure):
                 ("first_norm", _ptr), ("cos", _ptr), ("sin", _ptr)]
 
 
+class _GreedyHead(ctypes.Structure):
+    _fields_ = [("head", _Projection), ("final_norm", _ptr), ("embed", _ptr)]
+
+
 def _configure(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.native_decode.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Layer), _i64, _ptr,
                                   _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr,
@@ -72,6 +76,11 @@ def _configure(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.native_decode_in_team.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Layer), _i64,
                                           _i64, ctypes.c_int]
     lib.native_decode_in_team.restype = ctypes.c_int
+    lib.native_decode_greedy.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Layer), _i64,
+                                         ctypes.POINTER(_GreedyHead), _i64, _i64, _ptr, _ptr,
+                                         _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr,
+                                         _ptr, ctypes.c_int]
+    lib.native_decode_greedy.restype = ctypes.c_int
     return lib
 
 
@@ -106,6 +115,22 @@ def _projection(linear) -> tuple[_Projection, object] | None:
             lib.qgemm_work_bytes)
 
 
+def _greedy_head(model, keep: list) -> tuple[_GreedyHead, object] | None:
+    """The C description of what follows the last layer (final norm, lm_head, the next step's
+    embedding rows), with lm_head's work-bytes function; None where the logits are more than
+    that (a logits scale, a final soft cap) or lm_head is not on one of our kernels."""
+    c, head = model.config, model.lm_head
+    if (c.logits_scaling != 1.0 or c.final_softcap or not model.embed.is_contiguous()
+            or model.embed.shape[0] < head.out_features or not model.final_norm.is_contiguous()):
+        return None
+    proj = _projection(head)
+    if proj is None:
+        return None
+    keep += [model.embed, model.final_norm]
+    return (_GreedyHead(proj[0], model.final_norm.data_ptr(), model.embed.data_ptr()),
+            proj[1])
+
+
 class NativeDecode:
     """The C layer loop of one model: its weights' addresses, taken once at load."""
 
@@ -121,6 +146,8 @@ class NativeDecode:
         self._keep = keep  # the tensors whose addresses the descriptions hold
         self._caches: list | None = None
         self._attention_team = model_desc.attention_team
+        # final norm, lm_head and embeddings for several greedy steps a call (None: not here)
+        self.greedy_head: _GreedyHead | None = None
 
     def use_team(self, enabled: bool) -> None:
         """Whether steps that fit may run in one OpenMP team (native_decode.c says when); off,
@@ -175,15 +202,24 @@ class NativeDecode:
             return None
         native = cls(lib, desc, layers, list(work_bytes.values()), keep)
         native.use_team(os.environ.get("LORASERVE_NATIVE_TEAM", "1") != "0")
+        greedy = _greedy_head(model, keep)
+        if greedy is not None:
+            native.greedy_head, head_work = greedy
+            if head_work is not None and head_work not in native.work_bytes:
+                native.work_bytes.append(head_work)
         return native
 
     def fits(self, attention, meta, positions: torch.Tensor, max_positions: int) -> bool:
         """Whether this step's attention metadata is one the C loop runs: decodes only, on
         the CPU backend with its paged kernel, rows in order, positions within the tables."""
-        return (fused_enabled() and isinstance(meta, CpuAttentionMetadata) and not meta.prefills
-                and meta.decode_blocks is not None and meta.decode_contiguous
-                and isinstance(attention, CpuAttention) and attention.kernel is not None
-                and int(positions.max()) < max_positions)
+        return (self.fits_attention(attention) and isinstance(meta, CpuAttentionMetadata)
+                and not meta.prefills and meta.decode_blocks is not None
+                and meta.decode_contiguous and int(positions.max()) < max_positions)
+
+    def fits_attention(self, attention) -> bool:
+        """Whether the C loop can run this attention backend's decodes."""
+        return (fused_enabled() and isinstance(attention, CpuAttention)
+                and attention.kernel is not None)
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list,
             attention: CpuAttention, meta: CpuAttentionMetadata,
@@ -191,15 +227,9 @@ class NativeDecode:
         """Every layer over h ([B, d], the embeddings; the residual stream after the last
         layer on return), K/V written into `kv_caches`, the step's LoRA deltas added where
         `lora` is given (only where `takes_lora`)."""
-        if self._caches is not kv_caches:  # the runner's list: its tensors' addresses, once
-            for layer, (k, v) in zip(self.layers, kv_caches, strict=True):
-                layer.k_cache, layer.v_cache = k.data_ptr(), v.data_ptr()
-            self.model_desc.block_size = attention.block_size
-            self._caches = kv_caches
+        self._bind(kv_caches, attention)
         b = h.shape[0]
-        scratch = torch.empty(self.lib.native_decode_scratch_floats(self.model_desc, b))
-        work = torch.empty(max([64] + [fn(b, self.k_max) for fn in self.work_bytes]),
-                           dtype=torch.uint8)
+        scratch, work = self._buffers(b)
         tables = meta.decode_blocks
         lora_t = None if lora is None else torch.empty(b * lora.ldt)
         rc = self.lib.native_decode(
@@ -211,3 +241,52 @@ class NativeDecode:
             None if lora_t is None else lora_t.data_ptr())
         if rc:
             raise RuntimeError(f"the native decode loop failed in layer {rc - 1}")
+
+    def greedy(self, ids: list[int], computed: list[int], tables: list[list[int]], steps: int,
+               kv_caches: list, attention: CpuAttention, max_positions: int
+               ) -> list[list[int]]:
+        """`steps` decode steps of greedy rows in one call (only where `greedy_head`): row r
+        feeds ids[r] at position computed[r], then each step the token its logits' first
+        maximum picks; tables[r] holds its blocks for all `steps` positions. Returns each
+        step's tokens, [steps][rows]: what as many steps of `run`, the final norm, lm_head
+        and numpy's argmax give, bit for bit."""
+        self._bind(kv_caches, attention)
+        b, bs, d = len(ids), attention.block_size, self.model_desc.d
+        pos = torch.tensor(computed).unsqueeze(0) + torch.arange(steps).unsqueeze(1)  # [K, B]
+        if int(pos.max()) >= max_positions:
+            raise ValueError(f"position {int(pos.max())} is past the rope table")
+        width = max(map(len, tables))
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        slots = (table.gather(1, (pos // bs).t()).t() * bs + pos % bs).contiguous()
+        lens = pos + 1
+        out = torch.empty(steps + 1, b, dtype=torch.int64)
+        out[0] = torch.tensor(ids)
+        h, normed = torch.empty(b, d), torch.empty(b, d)
+        logits = torch.empty(b, self.greedy_head.head.n)
+        rows = torch.arange(b)
+        scratch, work = self._buffers(b)
+        rc = self.lib.native_decode_greedy(
+            self.model_desc, self.layers, len(self.layers), self.greedy_head, steps, b,
+            out.data_ptr(), pos.data_ptr(), slots.data_ptr(), rows.data_ptr(),
+            table.data_ptr(), table.stride(0), lens.data_ptr(), h.data_ptr(),
+            normed.data_ptr(), logits.data_ptr(), scratch.data_ptr(), work.data_ptr(),
+            torch.get_num_threads())
+        if rc:
+            where = "lm_head" if rc > len(self.layers) else f"layer {rc - 1}"
+            raise RuntimeError(f"the native greedy decode loop failed in {where}")
+        return out[1:].tolist()
+
+    def _bind(self, kv_caches: list, attention: CpuAttention) -> None:
+        """The K/V caches' addresses into the layers' descriptions, once per cache list."""
+        if self._caches is not kv_caches:  # the runner's list: its tensors' addresses, once
+            for layer, (k, v) in zip(self.layers, kv_caches, strict=True):
+                layer.k_cache, layer.v_cache = k.data_ptr(), v.data_ptr()
+            self.model_desc.block_size = attention.block_size
+            self._caches = kv_caches
+
+    def _buffers(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's scratch floats and the GEMMs' work bytes for b rows."""
+        scratch = torch.empty(self.lib.native_decode_scratch_floats(self.model_desc, b))
+        work = torch.empty(max([64] + [fn(b, self.k_max) for fn in self.work_bytes]),
+                           dtype=torch.uint8)
+        return scratch, work

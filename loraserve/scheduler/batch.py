@@ -51,6 +51,10 @@ class ScheduledBatch:
         self.num_decodes -= i < self.num_decodes
         self.num_protected -= i < self.num_protected
 
+    def unfinished(self) -> ScheduledBatch:
+        """Its entries whose request has not ended (a run's later steps: decode_runs.py)."""
+        return ScheduledBatch([e for e in self.entries if not e.request.is_finished])
+
     def __bool__(self) -> bool:
         return bool(self.entries)
 
@@ -72,6 +76,11 @@ class StepOutput:
     @classmethod
     def empty(cls) -> StepOutput:
         return cls([], [])
+
+    def only(self, request_ids: set[str]) -> StepOutput:
+        """The tokens of these requests alone (a greedy run's step: token ids only)."""
+        keep = [i for i, rid in enumerate(self.request_ids) if rid in request_ids]
+        return StepOutput([self.request_ids[i] for i in keep], [self.token_ids[i] for i in keep])
 
     @classmethod
     def concat(cls, parts: list[StepOutput]) -> StepOutput:

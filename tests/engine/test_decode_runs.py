@@ -1,0 +1,145 @@
+"""Runs of decode steps in one call (scheduler/decode_runs.py, NativeDecode.greedy): a greedy
+base-model batch with nothing waiting takes several tokens a request per call into the
+native decode loop, and nobody can tell from the answers.
+
+- the tokens, texts and finish reasons equal those of one step a call, over float32, int8
+  and int4 weights, with one thread and in one OpenMP team of two;
+- a request that ends inside a run (a stop id, a stop string, its max_tokens) ends where it
+  would have, and the others in the run go on;
+- K/V written by a run is what later requests read from the prefix cache: a multi-turn
+  prompt over a run's tokens gets the answer of an engine without the cache;
+- after runs every block and refcount is accounted for (the engine's invariants);
+- requests that want more than the first maximum (sampling, logprobs) or an adapter, and
+  batches with anything waiting, take one step a call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from adapter_factory import build_peft_model
+from model_factory import make_tiny_llama
+
+from loraserve import LLM, SamplingParams
+from loraserve.model.native_decode import NativeDecode
+from loraserve.ops.qgemm import load_qgemm
+
+pytestmark = pytest.mark.skipif(load_qgemm() is None,
+                                reason="no quantized GEMM kernel on this host (gcc, AVX2)")
+
+PROMPTS = [[5, 9, 13, 200, 17, 3, 44], [7, 8], [300, 301, 302, 303, 304, 305, 306, 307, 308,
+                                               309, 310, 311, 312, 313, 314, 315, 316, 317]]
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    hf = make_tiny_llama(root / "hf", hidden_size=128, intermediate_size=256,
+                         initializer_range=0.3)
+    peft = build_peft_model(hf, r=8, target_modules=["q_proj", "v_proj"], seed=3,
+                            init_scale=0.5)
+    peft.save_pretrained(root / "a", safe_serialization=True)
+    return hf, root / "a"
+
+
+def _runs(monkeypatch) -> list[int]:
+    """The steps of every run taken from now on."""
+    steps: list[int] = []
+    greedy = NativeDecode.greedy
+
+    def counted(self, ids, computed, tables, k, *args):
+        steps.append(k)
+        return greedy(self, ids, computed, tables, k, *args)
+
+    monkeypatch.setattr(NativeDecode, "greedy", counted)
+    return steps
+
+
+def _answers(outs):
+    assert all(o.error is None for o in outs)
+    return [(o.token_ids, o.text, o.finish_reason) for o in outs]
+
+
+def _pair(hf, scheme: str, **kw) -> tuple[LLM, LLM]:
+    """One step a call, and runs of up to 8."""
+    return tuple(LLM(str(hf), quantization=scheme, decode_steps_per_call=k, **kw) for k in (1, 8))
+
+
+@pytest.mark.parametrize(("scheme", "threads"), [("none", 1), ("int8", 1), ("int4", 1),
+                                                 ("int4", 2), ("none", 2)])
+def test_runs_give_the_tokens_of_one_step_a_call(tiny, scheme, threads, monkeypatch):
+    hf, _ = tiny
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        plain, runs = _pair(hf, scheme)
+        steps = _runs(monkeypatch)
+        want = _answers(plain.generate(PROMPTS, GREEDY))
+        assert steps == []  # decode_steps_per_call=1 never runs
+        assert _answers(runs.generate(PROMPTS, GREEDY)) == want
+        assert steps and max(steps) > 1
+        assert sum(steps) < 3 * 19  # fewer calls than tokens: most came in runs
+    finally:
+        torch.set_num_threads(before)
+
+
+def _first_new(tokens: list[int], start: int) -> int:
+    """An index from `start` whose token does not occur before it."""
+    return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
+
+
+def test_requests_ending_inside_a_run_end_where_they_would(tiny, monkeypatch):
+    hf, _ = tiny
+    plain, runs = _pair(hf, "int8")
+    free = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    stop_at = _first_new(free[0], 5)
+    text = plain.generate([PROMPTS[1]], GREEDY)[0].text
+    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                             stop_token_ids=[free[0][stop_at]]),
+              SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                             stop=[text[len(text) // 2:len(text) // 2 + 3]]),
+              SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True)]
+    want = _answers(plain.generate(PROMPTS, params))
+    steps = _runs(monkeypatch)
+    got = _answers(runs.generate(PROMPTS, params))
+    assert got == want and max(steps) > 1
+    assert [len(t) for t, _, _ in got][0] == stop_at + 1 and got[0][2] == "stop"
+    assert got[1][2] == "stop" and len(got[2][0]) == 11
+    runs.engine.check_invariants().raise_if_failed()
+    pool = runs.engine.kv.pool
+    assert pool.num_used == 0
+
+
+def test_a_runs_kv_serves_the_prefix_cache(tiny, monkeypatch):
+    hf, _ = tiny
+    runs = LLM(str(hf), quantization="int4", decode_steps_per_call=8, block_size=4)
+    fresh = LLM(str(hf), quantization="int4", decode_steps_per_call=1,
+                enable_prefix_caching=False)
+    steps = _runs(monkeypatch)
+    first = runs.generate([PROMPTS[0]], GREEDY)[0]
+    assert max(steps) > 1
+    turn = PROMPTS[0] + first.token_ids[:17] + [21, 22]  # 16 generated tokens' K/V cached
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    again = runs.generate([turn], params)[0]
+    assert again.num_cached_tokens >= 20
+    assert again.token_ids == fresh.generate([turn], params)[0].token_ids
+    runs.engine.check_invariants().raise_if_failed()
+
+
+def test_one_step_a_call_for_what_a_run_cannot_do(tiny, monkeypatch):
+    hf, adapter = tiny
+    llm = LLM(str(hf), quantization="int8", decode_steps_per_call=8)
+    llm.load_lora_adapter("a", adapter)
+    steps = _runs(monkeypatch)
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=1, ignore_eos=True)
+    scored = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    llm.generate(PROMPTS, sampled)
+    llm.generate(PROMPTS, scored)
+    llm.generate(PROMPTS, GREEDY, lora="a")
+    # a greedy request beside a sampled one as long: the batch takes one step a call
+    llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=12, temperature=0.0,
+                                              ignore_eos=True), sampled])
+    assert steps == []
+    llm.generate(PROMPTS, GREEDY)
+    assert steps and max(steps) > 1
