@@ -26,6 +26,9 @@ lm_head). For each, in one process, alternating the formats round by round (medi
   decode token is, without attention, norms or the engine): its ratio to the floor is the
   kernels' target (within 1.3x);
 - decode_ms: the engine's time per output token at batch 1 (generate 1 + T tokens minus 1);
+  with `--one-step-too`, the same engine with `decode_steps_per_call=1` beside it, round by
+  round (one_step_ms, and runs_gain: the median over rounds of one step's time over the
+  runs'), which is what taking several greedy steps per call into the native loop saves;
 - prefill and 32-row decode: the projections' rows per second at 512 and 32 rows, as a ratio
   to float32's;
 - greedy agreement with float32 (the bundled model: random weights have no answer to keep):
@@ -123,6 +126,8 @@ def main() -> None:
     ap.add_argument("--model", default="bundled", choices=["bundled", *SHAPES])
     ap.add_argument("--floor-only", action="store_true",
                     help="batch 1 only: no 32- and 512-row chains (short rounds)")
+    ap.add_argument("--one-step-too", action="store_true",
+                    help="also decode with one step a call (decode_steps_per_call=1) each round")
     args = ap.parse_args()
     bundled = args.model == "bundled"
     formats = args.formats or [f for f in FORMATS if bundled or f != "gguf"]
@@ -133,13 +138,15 @@ def main() -> None:
     load_start = os.getloadavg()
     llms = {f: LLM(model_dir, quantization=f, max_num_seqs=32, kv_cache_tokens=4096)
             for f in formats}
+    one_step = {f: LLM(model_dir, quantization=f, max_num_seqs=32, kv_cache_tokens=4096,
+                       decode_steps_per_call=1) for f in formats} if args.one_step_too else {}
     models = {f: llm.engine.model for f, llm in llms.items()}
     vocab = models[formats[0]].config.vocab_size
     prompt = random_prompts(1, 16, vocab, seed=1)[0]
     samples: dict[str, dict[str, list[float]]] = {f: {} for f in formats}
     bandwidth = []
     rounds: dict[str, list] = {f: [] for f in formats}  # (copy GB/s around it, decode s)
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         bandwidth.append(copy_gbs())
         for f in formats:
             s = samples[f]
@@ -147,9 +154,16 @@ def main() -> None:
             if not args.floor_only:
                 s.setdefault("rows32", []).append(chain_seconds(models[f], 32, 32))
                 s.setdefault("rows512", []).append(chain_seconds(models[f], 512, 1))
+            # one step a call before the runs in odd rounds, after them in even ones
+            if f in one_step and r % 2:
+                s.setdefault("one_step", []).append(decode_seconds(one_step[f], prompt,
+                                                                   args.tokens))
             before = copy_gbs(reps=2)
             s.setdefault("decode", []).append(decode_seconds(llms[f], prompt, args.tokens))
             rounds[f].append(((before + copy_gbs(reps=2)) / 2, s["decode"][-1]))
+            if f in one_step and not r % 2:
+                s.setdefault("one_step", []).append(decode_seconds(one_step[f], prompt,
+                                                                   args.tokens))
     gbs = max(bandwidth)
     ref = greedy(llms[formats[0]], PROMPTS) if bundled else None
     base = samples[formats[0]]
@@ -167,6 +181,10 @@ def main() -> None:
             "proj_ms_median": round(median(s["proj"]) * 1e3, 3),
             "decode_ms": round(decode_ms, 3), "decode_over_floor": round(decode_ms / floor_ms, 2),
             "decode_ms_median": round(median(s["decode"]) * 1e3, 3),
+            **({} if f not in one_step else {
+                "one_step_ms": round(min(s["one_step"]) * 1e3, 3),
+                "runs_gain": round(median([a / b for a, b in zip(s["one_step"], s["decode"],
+                                                                  strict=True)]), 3)}),
             "rounds": [{"copy_gbs": round(g, 1),
                         "decode_over_floor": round(t / (nbytes / (g * 1e9)), 2)}
                        for g, t in rounds[f]],

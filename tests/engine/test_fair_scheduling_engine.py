@@ -47,7 +47,8 @@ def test_short_request_beside_a_long_prompt_is_not_held_behind_it(tiny_model_dir
 
 def test_paused_request_resumes_to_the_same_tokens(tiny_model_dir):
     want = LLM(str(tiny_model_dir)).generate([prompt(30)], GREEDY)[0].token_ids
-    eng = LLMEngine(tiny_model_dir, EngineConfig(kv_cache_tokens=4096))
+    eng = LLMEngine(tiny_model_dir, EngineConfig(kv_cache_tokens=4096,
+                                                 decode_steps_per_call=1))  # a step a token
     req = eng.add_request(prompt(30), GREEDY)
     for _ in range(3):
         eng.step()

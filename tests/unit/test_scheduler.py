@@ -195,7 +195,8 @@ def test_preempted_request_completes_with_the_same_greedy_output(tiny_model_dir,
 
 
 def test_refused_requests_do_not_disturb_the_others(tiny_model_dir, tiny_llm):
-    llm = LLM(str(tiny_model_dir), kv_cache_tokens=64, block_size=4, max_model_len=48)
+    llm = LLM(str(tiny_model_dir), kv_cache_tokens=64, block_size=4, max_model_len=48,
+              decode_steps_per_call=1)  # steps one token at a time
     eng = llm.engine
     ok = eng.add_request(prompt(10), GREEDY)
     eng.step()
