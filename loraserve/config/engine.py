@@ -97,10 +97,10 @@ class EngineConfig:
     cuda_graph_max_bs: int = knob(
         128, "on a GPU, the largest decode batch replayed from a CUDA graph (larger: eager)")
     decode_steps_per_call: int = knob(
-        8, "on a CPU, when every running request is a greedy decode on the base model and "
-           "nothing waits, run up to this many decode steps in one call into the native "
-           "decode loop (the token picked inside it; the same tokens as one step a call), "
-           "each call kept to about 20 ms; 1: one step a call")
+        8, "on a CPU, when every running request is a greedy decode (base model, or plain "
+           "LoRA over quantized weights) and nothing waits, run up to this many decode steps "
+           "in one call into the native decode loop (the token picked inside it; the same "
+           "tokens as one step a call), each call kept to about 20 ms; 1: one step a call")
     max_model_len: int | None = knob(
         None, "context length (default: the model's max_position_embeddings)")
     starvation_steps: int = knob(

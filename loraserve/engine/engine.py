@@ -146,11 +146,11 @@ class LLMEngine(RequestIntake, AdapterAdmin):
              ) -> tuple[list[StepOutput], list[Request]]:
         """The batch's step, or a run of its next decode steps in one call where it may take
         one (scheduler/decode_runs.py): each step's output, and the requests it broke."""
-        steps = (self.decode_runs.steps(self.scheduler, batch)
-                 if self.runner.runs_greedy(batch) else 1)
+        run = self.runner.greedy_run(batch, slots)
+        steps = 1 if run is None else self.decode_runs.steps(self.scheduler, batch)
         if steps > 1:
             try:
-                return self.runner.execute_greedy_run(batch, steps), []
+                return self.runner.execute_greedy_run(run, steps), []
             except Exception:  # its blocks stay reserved for the steps to come
                 log.exception("a run of %d decode steps failed; taking one step", steps)
         output, broken = self._execute(batch, slots)

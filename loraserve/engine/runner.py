@@ -8,6 +8,7 @@ made on the engine's device; attention and LoRA each build their own per-step me
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -19,6 +20,7 @@ from loraserve.model.llama import LlamaModel
 from loraserve.model.prompt_logprobs import score_tokens
 from loraserve.model.sampler import SampleResult, sample
 from loraserve.model.structured import GrammarMasker
+from loraserve.ops.native_lora import NativeLoraStep
 from loraserve.request import Request
 from loraserve.scheduler.batch import ScheduledBatch, StepOutput
 from loraserve.types import FinishReason, PromptLogprob
@@ -155,26 +157,37 @@ class ModelRunner:
                               res.top_logprobs, prompt_logprobs=scores)
         return _advance_grammars(samplers, res, scores)
 
-    def runs_greedy(self, batch: ScheduledBatch) -> bool:
-        """Whether the model can run several of `batch`'s steps in one call: the native decode
-        loop with its greedy head, decodes of base-model requests whose token is their
-        logits' first maximum, asking for nothing else of them (no logprobs, penalties,
-        biases, min_tokens or grammar)."""
+    def greedy_run(self, batch: ScheduledBatch, slots: Mapping[int, int]) -> GreedyRun | None:
+        """`batch` prepared for several steps in one call, or None where it cannot take them:
+        the native decode loop with its greedy head, decodes whose token is their logits'
+        first maximum, asking for nothing else of them (no logprobs, penalties, biases,
+        min_tokens or grammar), adapters only where the loop runs their LoRA kernel (plain
+        LoRA over quantized weights, `NativeDecode.takes_lora`)."""
         native = self.model.native
-        if native is None or native.greedy_head is None or \
-                not native.fits_attention(self.attention):
-            return False
-        return all(n == 1 and _plain_greedy(req) for req, n in batch.entries)
+        if (native is None or native.greedy_head is None
+                or not native.fits_attention(self.attention)
+                or not all(n == 1 and _plain_greedy(req) for req, n in batch.entries)):
+            return None
+        order = sorted((req for req, _ in batch.entries),  # by slot, as `execute` orders
+                       key=lambda r: -1 if r.adapter_uid is None else slots[r.adapter_uid])
+        seq_slots = [(-1 if r.adapter_uid is None else slots[r.adapter_uid], 1) for r in order]
+        hook = self.lora.step(self.lora.plan(seq_slots))  # None: base-only
+        if hook is None:
+            return GreedyRun(order, None, None)
+        if not native.takes_lora or self.lora.has_extras(seq_slots):
+            return None
+        op = hook.native()
+        return None if op is None else GreedyRun(order, op, hook)
 
-    def execute_greedy_run(self, batch: ScheduledBatch, steps: int) -> list[StepOutput]:
-        """`steps` decode steps of `batch` (runs_greedy) in one call, each step's tokens as
-        its own StepOutput; every request's blocks already hold all of the steps' K/V."""
-        reqs = [req for req, _ in batch.entries]
+    def execute_greedy_run(self, run: GreedyRun, steps: int) -> list[StepOutput]:
+        """`steps` decode steps of a prepared run in one call, each step's tokens as its own
+        StepOutput; every request's blocks already hold all of the steps' K/V."""
+        reqs = run.requests
         with torch.inference_mode():
             tokens = self.model.native.greedy(
                 [r.all_token_ids[-1] for r in reqs], [r.num_computed_tokens for r in reqs],
                 [r.block_table for r in reqs], steps, self.kv_caches, self.attention,
-                self.model.ropes[0].max_positions)
+                self.model.ropes[0].max_positions, run.lora)
         ids = [r.request_id for r in reqs]
         return [StepOutput(ids, row) for row in tokens]
 
@@ -192,11 +205,19 @@ class ModelRunner:
         return out
 
 
+class GreedyRun(NamedTuple):
+    """A batch prepared for several decode steps in one call (ModelRunner.greedy_run)."""
+
+    requests: list[Request]  # in the order of their LoRA slots
+    lora: NativeLoraStep | None  # the adapters' op for the C loop; None: base-only
+    hook: object  # the step whose tensors `lora` points into: alive for the call
+
+
 def _plain_greedy(req: Request) -> bool:
-    """A base-model decode past its prompt whose next token is its logits' first maximum."""
+    """A decode past its prompt whose next token is its logits' first maximum."""
     p = req.params
-    return (req.adapter_uid is None and req.num_output_tokens > 0 and p.greedy
-            and not p.processes_logits and p.logprobs is None and req.grammar is None)
+    return (req.num_output_tokens > 0 and p.greedy and not p.processes_logits
+            and p.logprobs is None and req.grammar is None)
 
 
 def _advance_grammars(samplers: list[Request], res: SampleResult,

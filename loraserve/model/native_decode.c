@@ -330,21 +330,22 @@ static int64_t first_argmax(const float *x, int64_t n) {
 /* `steps` decode steps of B greedy rows: each step's rows are embedded from ids[k] (ids is
  * [steps + 1][B]: the first row in, the tokens out), run through every layer (native_decode),
  * normed, projected to logits [B, vocab] and their first maxima written to ids[k + 1].
- * positions, slots and lens are [steps][B]: step k's, the tables hold every step's blocks.
+ * positions, slots and lens are [steps][B]: step k's, the tables hold every step's blocks;
+ * lora and lora_t as native_decode's, the same every step (the rows' adapters do not change).
  * Returns 0, a 1-based layer as native_decode does, or n_layers + 1 where lm_head refused. */
 int native_decode_greedy(const model_t *m, const layer_t *layers, int64_t n_layers,
                          const greedy_head_t *g, int64_t steps, int64_t B, int64_t *ids,
                          const int64_t *positions, const int64_t *slots, const int64_t *rows,
                          const int64_t *tables, int64_t table_stride, const int64_t *lens,
                          float *h, float *normed, float *logits, float *scratch, void *work,
-                         int nthreads) {
+                         int nthreads, const lora_step_t *lora, float *lora_t) {
     const int64_t d = m->d, vocab = g->head.n;
     for (int64_t k = 0; k < steps; k++) {
         for (int64_t r = 0; r < B; r++)
             memcpy(h + r * d, g->embed + ids[k * B + r] * d, 4 * d);
         const int rc = native_decode(m, layers, n_layers, h, B, positions + k * B,
                                      slots + k * B, rows, tables, table_stride, lens + k * B,
-                                     scratch, work, nthreads, NULL, NULL);
+                                     scratch, work, nthreads, lora, lora_t);
         if (rc) return rc;
         m->rms_norm(h, d, g->final_norm, normed, d, B, d, m->eps, nthreads);
         if (project(&g->head, 0, normed, d, B, logits, work, nthreads)) return (int)n_layers + 1;

@@ -79,7 +79,7 @@ def _configure(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.native_decode_greedy.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Layer), _i64,
                                          ctypes.POINTER(_GreedyHead), _i64, _i64, _ptr, _ptr,
                                          _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr,
-                                         _ptr, ctypes.c_int]
+                                         _ptr, ctypes.c_int, _ptr, _ptr]
     lib.native_decode_greedy.restype = ctypes.c_int
     return lib
 
@@ -243,13 +243,13 @@ class NativeDecode:
             raise RuntimeError(f"the native decode loop failed in layer {rc - 1}")
 
     def greedy(self, ids: list[int], computed: list[int], tables: list[list[int]], steps: int,
-               kv_caches: list, attention: CpuAttention, max_positions: int
-               ) -> list[list[int]]:
+               kv_caches: list, attention: CpuAttention, max_positions: int,
+               lora: NativeLoraStep | None = None) -> list[list[int]]:
         """`steps` decode steps of greedy rows in one call (only where `greedy_head`): row r
         feeds ids[r] at position computed[r], then each step the token its logits' first
         maximum picks; tables[r] holds its blocks for all `steps` positions. Returns each
         step's tokens, [steps][rows]: what as many steps of `run`, the final norm, lm_head
-        and numpy's argmax give, bit for bit."""
+        and numpy's argmax give, bit for bit. `lora`: the adapters' op, as for `run`."""
         self._bind(kv_caches, attention)
         b, bs, d = len(ids), attention.block_size, self.model_desc.d
         pos = torch.tensor(computed).unsqueeze(0) + torch.arange(steps).unsqueeze(1)  # [K, B]
@@ -265,12 +265,14 @@ class NativeDecode:
         logits = torch.empty(b, self.greedy_head.head.n)
         rows = torch.arange(b)
         scratch, work = self._buffers(b)
+        lora_t = None if lora is None else torch.empty(b * lora.ldt)
         rc = self.lib.native_decode_greedy(
             self.model_desc, self.layers, len(self.layers), self.greedy_head, steps, b,
             out.data_ptr(), pos.data_ptr(), slots.data_ptr(), rows.data_ptr(),
             table.data_ptr(), table.stride(0), lens.data_ptr(), h.data_ptr(),
             normed.data_ptr(), logits.data_ptr(), scratch.data_ptr(), work.data_ptr(),
-            torch.get_num_threads())
+            torch.get_num_threads(), None if lora is None else lora.desc.data_ptr(),
+            None if lora_t is None else lora_t.data_ptr())
         if rc:
             where = "lm_head" if rc > len(self.layers) else f"layer {rc - 1}"
             raise RuntimeError(f"the native greedy decode loop failed in {where}")

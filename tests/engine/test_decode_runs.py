@@ -1,6 +1,6 @@
 """Runs of decode steps in one call (scheduler/decode_runs.py, NativeDecode.greedy): a greedy
-base-model batch with nothing waiting takes several tokens a request per call into the
-native decode loop, and nobody can tell from the answers.
+batch with nothing waiting takes several tokens a request per call into the native decode
+loop, and nobody can tell from the answers.
 
 - the tokens, texts and finish reasons equal those of one step a call, over float32, int8
   and int4 weights, with one thread and in one OpenMP team of two;
@@ -8,9 +8,12 @@ native decode loop, and nobody can tell from the answers.
   would have, and the others in the run go on;
 - K/V written by a run is what later requests read from the prefix cache: a multi-turn
   prompt over a run's tokens gets the answer of an engine without the cache;
+- rows of adapters (plain LoRA over quantized weights) and base rows in one run get the
+  tokens of one step a call;
 - after runs every block and refcount is accounted for (the engine's invariants);
-- requests that want more than the first maximum (sampling, logprobs) or an adapter, and
-  batches with anything waiting, take one step a call.
+- requests that want more than the first maximum (sampling, logprobs), adapters the C loop
+  does not run (over float32 panels), and batches with anything waiting, take one step a
+  call.
 """
 
 from __future__ import annotations
@@ -127,16 +130,31 @@ def test_a_runs_kv_serves_the_prefix_cache(tiny, monkeypatch):
     runs.engine.check_invariants().raise_if_failed()
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_adapter_rows_in_a_run_get_the_tokens_of_one_step_a_call(tiny, scheme, monkeypatch):
+    hf, adapter = tiny
+    plain, runs = _pair(hf, scheme)
+    for llm in (plain, runs):
+        llm.load_lora_adapter("a", adapter)
+    loras = [None, "a", "a"]
+    want = _answers(plain.generate(PROMPTS, GREEDY, lora=loras))
+    assert want != _answers(plain.generate(PROMPTS, GREEDY))  # the adapter changes tokens
+    steps = _runs(monkeypatch)
+    assert _answers(runs.generate(PROMPTS, GREEDY, lora=loras)) == want
+    assert steps and max(steps) > 1
+
+
 def test_one_step_a_call_for_what_a_run_cannot_do(tiny, monkeypatch):
     hf, adapter = tiny
     llm = LLM(str(hf), quantization="int8", decode_steps_per_call=8)
-    llm.load_lora_adapter("a", adapter)
+    f32 = LLM(str(hf), decode_steps_per_call=8)
+    f32.load_lora_adapter("a", adapter)
     steps = _runs(monkeypatch)
     sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=1, ignore_eos=True)
     scored = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
     llm.generate(PROMPTS, sampled)
     llm.generate(PROMPTS, scored)
-    llm.generate(PROMPTS, GREEDY, lora="a")
+    f32.generate(PROMPTS, GREEDY, lora="a")  # the fused GEMM's LoRA: the Python loop
     # a greedy request beside a sampled one as long: the batch takes one step a call
     llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=12, temperature=0.0,
                                               ignore_eos=True), sampled])
