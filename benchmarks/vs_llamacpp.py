@@ -11,6 +11,10 @@ output tokens per second:
 - lora32: 32 concurrent requests over 5 adapters, round robin (llama.cpp: the per-request
   `lora` field of /completion; it runs requests with different adapters apart).
 
+The timed requests ask for no logprobs (ours counts its tokens by the response's usage,
+llama.cpp returns its token ids at no cost); the agreement check asks ours for logprobs to
+get token ids back.
+
 Formats (`--formats`): f32 (loraserve float32 / GGUF F32), q8_0 (`--quantization int8` /
 Q8_0 from the converter), q4_0 (`--quantization int4` / Q4_0 by llama-quantize, its default
 mix). Greedy outputs of a few prompts are compared on f32 (token agreement reported).
@@ -112,6 +116,10 @@ class LlamaServer:
         r.raise_for_status()
         return r.json()["tokens"]
 
+    def generate(self, prompt: list[int], n: int, adapter: int | None) -> int:
+        """Output tokens of one greedy completion (its token ids cost llama.cpp nothing)."""
+        return len(self.complete(prompt, n, adapter))
+
 
 class Ours:
     """A loraserve server (common.Server) seen through the same `complete` call."""
@@ -129,6 +137,15 @@ class Ours:
         tokens = r.json()["choices"][0]["logprobs"]["tokens"]
         return [int(t.split(":", 1)[1]) for t in tokens]
 
+    def generate(self, prompt: list[int], n: int, adapter: int | None) -> int:
+        """Output tokens of one greedy completion, counted by its usage: the token ids come
+        only with logprobs here, which a client that does not ask for them does not pay for."""
+        body = {"model": self.base if adapter is None else self.adapters[adapter],
+                "prompt": prompt, "max_tokens": n, "temperature": 0.0, "ignore_eos": True}
+        r = self.http.post(self.server.url + "/v1/completions", json=body)
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"]
+
 
 def run_workload(side, name: str, prompts: list[list[int]]) -> float:
     """Output tokens per second of one workload on one server."""
@@ -136,10 +153,10 @@ def run_workload(side, name: str, prompts: list[list[int]]) -> float:
     jobs = [(p, i % NUM_ADAPTERS if lora else None) for i, p in enumerate(prompts)]
     t = time.perf_counter()
     with cf.ThreadPoolExecutor(conc) as pool:
-        got = list(pool.map(lambda j: side.complete(j[0], out, j[1]), jobs))
+        got = list(pool.map(lambda j: side.generate(j[0], out, j[1]), jobs))
     dt = time.perf_counter() - t
-    assert all(len(g) == out for g in got), "a server returned fewer tokens than asked"
-    return sum(len(g) for g in got) / dt
+    assert all(g == out for g in got), "a server returned fewer tokens than asked"
+    return sum(got) / dt
 
 
 def agreement(ours, theirs, vocab: int, n: int = 32) -> dict:

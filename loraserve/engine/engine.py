@@ -127,8 +127,8 @@ class LLMEngine(RequestIntake, AdapterAdmin):
                 sched.observe(batch, seconds)
                 self.decode_runs.observe(batch, seconds)
             ended += broken
-            for output in outputs:
-                if sampled:  # a run's later step: those its earlier tokens ended take none
+            for i, output in enumerate(outputs):
+                if i:  # a run's later step: those its earlier tokens ended take none
                     batch = batch.unfinished()
                     output = output.only({req.request_id for req, _ in batch.entries})
                 got = sched.update_from_output(batch, output)
@@ -299,4 +299,3 @@ class LLMEngine(RequestIntake, AdapterAdmin):
 
     def shutdown(self) -> None:
         self.store.shutdown()
-
