@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
+from model_factory import make_tiny_llama
 
 _BASE_CACHE: dict[str, torch.nn.Module] = {}
 
@@ -102,6 +103,17 @@ def make_peft_adapter(base_model_dir: str | Path, out_dir: str | Path, **kwargs)
     out = Path(out_dir)
     build_peft_model(base_model_dir, **kwargs).save_pretrained(out, safe_serialization=True)
     return out
+
+
+def tiny_llama_with_adapter(root: Path) -> tuple[Path, Path]:
+    """A tiny Llama whose weights move its logits (initializer 0.3) and a rank-8 q/v adapter
+    strong enough to change its greedy tokens: (model dir, adapter dir)."""
+    hf = make_tiny_llama(root / "hf", hidden_size=128, intermediate_size=256,
+                         initializer_range=0.3)
+    peft = build_peft_model(hf, r=8, target_modules=["q_proj", "v_proj"], seed=3,
+                            init_scale=0.5)
+    peft.save_pretrained(root / "a", safe_serialization=True)
+    return hf, root / "a"
 
 
 def peft_deltas(peft_model) -> dict[str, tuple[torch.Tensor, int, float]]:

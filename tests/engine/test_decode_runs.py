@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from adapter_factory import build_peft_model
-from model_factory import make_tiny_llama
+from adapter_factory import tiny_llama_with_adapter
 
 from loraserve import LLM, SamplingParams
 from loraserve.model.native_decode import NativeDecode
@@ -37,13 +36,7 @@ GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("runs")
-    hf = make_tiny_llama(root / "hf", hidden_size=128, intermediate_size=256,
-                         initializer_range=0.3)
-    peft = build_peft_model(hf, r=8, target_modules=["q_proj", "v_proj"], seed=3,
-                            init_scale=0.5)
-    peft.save_pretrained(root / "a", safe_serialization=True)
-    return hf, root / "a"
+    return tiny_llama_with_adapter(tmp_path_factory.mktemp("runs"))
 
 
 def _runs(monkeypatch) -> list[int]:

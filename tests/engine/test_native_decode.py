@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from adapter_factory import build_peft_model
+from adapter_factory import build_peft_model, tiny_llama_with_adapter
 from avx2_build import assert_passes_on_avx2
-from model_factory import make_tiny_family, make_tiny_llama
+from model_factory import make_tiny_family
 
 from loraserve import LLM, SamplingParams
 from loraserve.model.native_decode import NativeDecode
@@ -36,13 +36,7 @@ PROMPTS = [[5, 9, 13, 200, 17, 3, 44], [7, 8], [300, 301, 302, 303, 304, 305, 30
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    root = tmp_path_factory.mktemp("native")
-    hf = make_tiny_llama(root / "hf", hidden_size=128, intermediate_size=256,
-                         initializer_range=0.3)
-    peft = build_peft_model(hf, r=8, target_modules=["q_proj", "v_proj"], seed=3,
-                            init_scale=0.5)
-    peft.save_pretrained(root / "a", safe_serialization=True)
-    return hf, root / "a"
+    return tiny_llama_with_adapter(tmp_path_factory.mktemp("native"))
 
 
 def _generate(llm: LLM, lora=None):
