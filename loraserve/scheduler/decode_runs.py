@@ -52,7 +52,7 @@ class DecodeRuns:
         for req, _ in entries:
             if sched.kv.can_allocate(req, k):  # it can: the sum fits
                 sched.kv.allocate(req, k)
-            sched.vtc.charge(req, decode_tokens=k - 1)
+            sched.vtc.charge(req, decode_tokens=k - 1, ahead=1)
         return k
 
     def observe(self, batch: ScheduledBatch, seconds_per_step: float) -> None:

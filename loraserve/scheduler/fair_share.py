@@ -63,10 +63,12 @@ class VirtualTokenCounter:
             if not self.live:  # nobody is waiting for anyone: the past is settled
                 self.counters.clear()
 
-    def charge(self, req: Request, prefill_tokens: int = 0, decode_tokens: int = 0) -> None:
-        """Service given to `req`'s client this step: tokens from its next position on."""
+    def charge(self, req: Request, prefill_tokens: int = 0, decode_tokens: int = 0,
+               ahead: int = 0) -> None:
+        """Service given to `req`'s client this step: tokens from its next position on, past
+        the `ahead` this step has already charged (a run's later decodes: decode_runs.py)."""
         client = client_key(req)
-        start = req.num_computed_tokens
+        start = req.num_computed_tokens + ahead
         cost = (self._tokens(prefill_tokens, start)
                 + self.decode_weight * self._tokens(decode_tokens, start + prefill_tokens))
         self.counters[client] = self.counter(client) + cost

@@ -6,10 +6,13 @@ driven without a model:
 - never past a request's max_tokens or the context;
 - never while anything waits, and never for a batch with prefill or a newcomer in it;
 - K/V reserved for every step of the run, all or nothing: where the pool lacks the blocks,
-  a plain step and nothing allocated.
+  a plain step and nothing allocated;
+- a run charges its client's fair share what its steps one by one would.
 """
 
 from __future__ import annotations
+
+import pytest
 
 from loraserve import SamplingParams
 from loraserve.config import EngineConfig
@@ -22,10 +25,11 @@ from loraserve.scheduler.scheduler import Scheduler
 BLOCK = 4
 
 
-def make(kv_tokens: int = 256, max_model_len: int | None = None) -> Scheduler:
+def make(kv_tokens: int = 256, max_model_len: int | None = None,
+         context_cost: float = 0.0) -> Scheduler:
     cfg = EngineConfig(kv_cache_tokens=kv_tokens, block_size=BLOCK, enable_prefix_caching=False)
     return Scheduler(cfg, KVCacheManager(kv_tokens // BLOCK, BLOCK, False),
-                     max_model_len=max_model_len)
+                     max_model_len=max_model_len, context_cost=context_cost)
 
 
 def add(s: Scheduler, rid: str, prompt: int, max_tokens: int = 50) -> Request:
@@ -102,3 +106,18 @@ def test_all_or_nothing_when_the_pool_is_short():
     free = s.kv.pool.num_free
     assert runs.steps(s, batch) == 1
     assert [r.block_table for r in (a, b)] == tables and s.kv.pool.num_free == free
+
+
+
+def test_a_run_charges_its_client_what_its_steps_would():
+    """Fair shares charge a decode by its context: a run's later tokens by their own."""
+    runs, plain = make(context_cost=0.01), make(context_cost=0.01)
+    a, b = add(runs, "a", 6), add(plain, "a", 6)
+    batch = decoding(runs, a)
+    k = DecodeRuns(8)
+    k.observe(batch, RUN_SECONDS / 4)
+    assert k.steps(runs, batch) == 4
+    for _ in range(5):  # the prompt, then four decodes one a step
+        step(plain)
+    assert b.num_output_tokens == 5
+    assert runs.vtc.counter(None) == pytest.approx(plain.vtc.counter(None), rel=1e-12)
