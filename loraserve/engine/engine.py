@@ -94,8 +94,8 @@ class LLMEngine(RequestIntake, AdapterAdmin):
         # adapters change no token embedding, so every route shares the base's grammars
         self.grammars = GrammarCompiler(self.tokenizer.hf, mc.vocab_size, eos)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.decode_runs = DecodeRuns(c.decode_steps_per_call if self.device.type == "cpu"
-                                      else 1)
+        # runs only where the native loop can take them (ModelRunner.greedy_run): on a CPU
+        self.decode_runs = DecodeRuns(c.decode_steps_per_call)
         self.info = M.EngineInfo(
             model_name=mc.name, model_path=str(self.model_path), model_config=mc,
             max_model_len=self.max_model_len, kv_capacity_tokens=self.kv.capacity_tokens,

@@ -95,12 +95,8 @@ class ModelRunner:
 
     def execute(self, batch: ScheduledBatch, slots: Mapping[int, int]) -> StepOutput:
         """Run one step. `slots`: LoRA slot of each adapter uid in the batch (store.bind)."""
-
-        def slot_of(uid: int | None) -> int:
-            return -1 if uid is None else slots[uid]
-
         # stable sort: FCFS order within an adapter
-        order = sorted(batch.entries, key=lambda e: slot_of(e.request.adapter_uid))
+        order = sorted(batch.entries, key=lambda e: _slot_of(e.request, slots))
         ids: list[int] = []
         pos: list[int] = []
         attn_seqs: list[AttentionSeq] = []
@@ -116,7 +112,7 @@ class ModelRunner:
             prompt = len(req.prompt_token_ids)
             attn_seqs.append(AttentionSeq(len(ids), n, c, req.block_table,
                                           prompt_chunk=prompt > 1 and c < prompt))
-            seq_slots.append((slot_of(req.adapter_uid), n))
+            seq_slots.append((_slot_of(req, slots), n))
             if req.wants_prompt_logits:  # row of position p predicts prompt token p + 1
                 last = min(c + n, len(req.prompt_token_ids) - 1)
                 scored += [(req, p + 1, len(ids) + p - c) for p in range(c, last)]
@@ -169,8 +165,8 @@ class ModelRunner:
                 or not all(n == 1 and _plain_greedy(req) for req, n in batch.entries)):
             return None
         order = sorted((req for req, _ in batch.entries),  # by slot, as `execute` orders
-                       key=lambda r: -1 if r.adapter_uid is None else slots[r.adapter_uid])
-        seq_slots = [(-1 if r.adapter_uid is None else slots[r.adapter_uid], 1) for r in order]
+                       key=lambda r: _slot_of(r, slots))
+        seq_slots = [(_slot_of(r, slots), 1) for r in order]
         hook = self.lora.step(self.lora.plan(seq_slots))  # None: base-only
         if hook is None:
             return GreedyRun(order, None, None)
@@ -211,6 +207,11 @@ class GreedyRun(NamedTuple):
     requests: list[Request]  # in the order of their LoRA slots
     lora: NativeLoraStep | None  # the adapters' op for the C loop; None: base-only
     hook: object  # the step whose tensors `lora` points into: alive for the call
+
+
+def _slot_of(req: Request, slots: Mapping[int, int]) -> int:
+    """The request's LoRA slot this step (store.bind), -1 for the base model."""
+    return -1 if req.adapter_uid is None else slots[req.adapter_uid]
 
 
 def _plain_greedy(req: Request) -> bool:

@@ -33,7 +33,7 @@ class DecodeRuns:
 
     def steps(self, sched: Scheduler, batch: ScheduledBatch) -> int:
         """How many steps `batch` runs in one call, their K/V reserved (1: a plain step).
-        The caller has checked that the model can run them (greedy rows, base weights)."""
+        The caller has checked that the model can run them (ModelRunner.greedy_run)."""
         entries = batch.entries
         if (self.most <= 1 or sched.waiting or batch.admitted or batch.preempted
                 or batch.block_copies or batch.num_decodes != len(entries)
