@@ -111,10 +111,19 @@ typedef struct {
     const float *first_norm, *cos, *sin;
 } model_t;
 
-/* Scratch floats for B rows (native_decode.py allocates it; the GEMMs' own work is `work`). */
-int64_t native_decode_scratch_floats(const model_t *m, int64_t B) {
-    const int64_t qkv = (m->nh + 2 * m->kvh) * m->hd;
-    return B * (m->d + qkv + m->nh * m->hd + m->d + 3 * m->inter);
+/* Scratch floats of B rows: the buffers the threads share (q/k/v, the attention's output, a
+ * projection's output of width d, gate/up), then each thread's own (its residual stream, the
+ * norm's output, the MLP's product: every thread computes these on all the rows, see
+ * run_layers). */
+static int64_t shared_floats(const model_t *m, int64_t B) {
+    return B * ((m->nh + 2 * m->kvh) * m->hd + m->nh * m->hd + m->d + 2 * m->inter);
+}
+static int64_t own_floats(const model_t *m, int64_t B) { return B * (2 * m->d + m->inter); }
+
+/* Scratch floats for B rows on nthreads threads (native_decode.py allocates it; the GEMMs'
+ * own work is `work`, work_stride bytes a thread). */
+int64_t native_decode_scratch_floats(const model_t *m, int64_t B, int nthreads) {
+    return shared_floats(m, B) + (nthreads > 1 ? nthreads : 1) * own_floats(m, B);
 }
 
 /* in_team: called by every thread of one team (the projection's team_fn, team_fits says) */
@@ -177,21 +186,26 @@ int native_decode_in_team(const model_t *m, const layer_t *layers, int64_t n_lay
     return nthreads > 1 && team_fits(m, layers, n_layers, B);
 }
 
-/* Scratch row pointers of one step. */
+/* Scratch row pointers of one step, as one thread sees them: the shared buffers (qkv, a, o,
+ * gu) and its own (h, x, mlp), and its GEMMs' work. */
 typedef struct {
-    float *x, *qkv, *a, *o, *gu, *mlp;
+    float *qkv, *a, *o, *gu, *h, *x, *mlp;
+    void *work;
     int64_t q_size, kv_size, ld_qkv;
 } step_buffers_t;
 
-static step_buffers_t buffers(const model_t *m, int64_t B, float *scratch) {
+static step_buffers_t buffers(const model_t *m, int64_t B, float *scratch, void *work,
+                              int64_t work_stride, int me) {
     step_buffers_t s = {.q_size = m->nh * m->hd, .kv_size = m->kvh * m->hd};
     s.ld_qkv = s.q_size + 2 * s.kv_size;
-    s.x = scratch;
-    s.qkv = s.x + B * m->d;
+    s.qkv = scratch;
     s.a = s.qkv + B * s.ld_qkv;
     s.o = s.a + B * s.q_size;
     s.gu = s.o + B * m->d;
-    s.mlp = s.gu + B * 2 * m->inter;
+    s.h = scratch + shared_floats(m, B) + me * own_floats(m, B);
+    s.x = s.h + B * m->d;
+    s.mlp = s.x + B * m->d;
+    s.work = (char *)work + me * work_stride;
     return s;
 }
 
@@ -206,39 +220,47 @@ static void write_kv(const layer_t *L, const step_buffers_t *s, int64_t r0, int6
     }
 }
 
-/* This thread's rows [*r0, *r1) of B for the element-wise kernels: an even share of a team's
- * (each row is computed by the same code whoever takes it, so the split changes no bit), all
- * of them outside a parallel region, where the calling thread is a team of one. */
+/* This thread's rows [*r0, *r1) of B for the rope and the K/V write: an even share of a
+ * team's (each row is computed by the same code whoever takes it, so the split changes no
+ * bit), all of them outside a parallel region, where the calling thread is a team of one. */
 static void my_rows(int64_t B, int64_t *r0, int64_t *r1) {
     const int64_t me = omp_get_thread_num(), team = omp_get_num_threads();
     *r0 = B * me / team;
     *r1 = B * (me + 1) / team;
 }
 
-/* The layer loop, on one thread or by every thread of one team (in_team). The element-wise
- * kernels and the K/V write take each thread's share of the rows (my_rows), then the team's
- * barrier: with 32 rows they were a tenth of a step on one thread while the others waited.
- * Returns as native_decode. */
+/* The layer loop, on one thread or by every thread of one team (in_team). In a team, the
+ * threads share out each projection's panels and the attention's items, each followed by the
+ * team's barrier; the rope and the K/V write take each thread's share of the rows (my_rows),
+ * then a barrier; and every thread computes the element-wise kernels between (the residual
+ * add, the norms, silu) on all the rows, into its own copy of the residual stream, its own
+ * norm output and MLP product. Why: the team runs only on few rows (team_fits), where these
+ * are a few microseconds, and a share of them would need a barrier after each and carry its
+ * rows to the other core: a barrier's round trip between two cores on different dies of the
+ * package costs half a microsecond, and a layer had thirteen. Each row goes through the
+ * same code whichever thread computes it, so every copy holds the same bits. On one thread
+ * the residual stream is h itself. Returns as native_decode. */
 static int run_layers(const model_t *m, const layer_t *layers, int64_t n_layers, float *h,
                       int64_t B, const int64_t *positions, const int64_t *slots,
                       const int64_t *rows, const int64_t *tables, int64_t table_stride,
-                      const int64_t *lens, const step_buffers_t *s, void *work, int nthreads,
+                      const int64_t *lens, const step_buffers_t *s, int nthreads,
                       int in_team, int *attention_failed, const lora_step_t *lora,
                       float *lora_t) {
     const int64_t d = m->d, nh = m->nh, kvh = m->kvh, hd = m->hd, inter = m->inter;
+    void *work = s->work;
     int64_t r0, r1;
     my_rows(B, &r0, &r1);
-    const int64_t R = r1 - r0;
-    float *hr = h + r0 * d, *xr = s->x + r0 * d, *qkvr = s->qkv + r0 * s->ld_qkv;
-    m->rms_norm(hr, d, m->first_norm, xr, d, R, d, m->eps, nthreads);
-#pragma omp barrier
+    float *hh = in_team ? s->h : h;
+    if (in_team) memcpy(hh, h, 4 * B * d);
+    m->rms_norm(hh, d, m->first_norm, s->x, d, B, d, m->eps, nthreads);
     for (int64_t li = 0; li < n_layers; li++) {
         const layer_t *L = &layers[li];
         /* a kernel's refusal depends on its arguments alone: every thread sees the same */
         if (project_lora(&L->qkv, in_team, lora, lora_t, li, G_QKV, s->x, d, B, s->qkv, work,
                          nthreads))
             return (int)li + 1;
-        m->rope(qkvr, s->ld_qkv, R, nh + kvh, hd, positions + r0, m->cos, m->sin, nthreads);
+        m->rope(s->qkv + r0 * s->ld_qkv, s->ld_qkv, r1 - r0, nh + kvh, hd, positions + r0,
+                m->cos, m->sin, nthreads);
         write_kv(L, s, r0, r1, slots);
 #pragma omp barrier
         const int refused =
@@ -253,21 +275,21 @@ static int run_layers(const model_t *m, const layer_t *layers, int64_t n_layers,
         if (project_lora(&L->o, in_team, lora, lora_t, li, G_O, s->a, s->q_size, B, s->o, work,
                          nthreads))
             return (int)li + 1;
-        m->add_rms_norm(hr, d, s->o + r0 * d, d, m->residual, L->post_norm, xr, d, R, d, m->eps,
+        m->add_rms_norm(hh, d, s->o, d, m->residual, L->post_norm, s->x, d, B, d, m->eps,
                         nthreads);
-#pragma omp barrier
         if (project_lora(&L->gate_up, in_team, lora, lora_t, li, G_GATE_UP, s->x, d, B, s->gu,
                          work, nthreads))
             return (int)li + 1;
-        m->silu_mul(s->gu + r0 * 2 * inter, 2 * inter, s->mlp + r0 * inter, inter, R, inter,
-                    nthreads);
-#pragma omp barrier
+        m->silu_mul(s->gu, 2 * inter, s->mlp, inter, B, inter, nthreads);
         if (project_lora(&L->down, in_team, lora, lora_t, li, G_DOWN, s->mlp, inter, B, s->o,
                          work, nthreads))
             return (int)li + 1;
-        m->add_rms_norm(hr, d, s->o + r0 * d, d, m->residual, L->next_norm, xr, d, R, d, m->eps,
+        m->add_rms_norm(hh, d, s->o, d, m->residual, L->next_norm, s->x, d, B, d, m->eps,
                         nthreads);
-#pragma omp barrier
+    }
+    if (in_team) {
+#pragma omp master
+        memcpy(h, hh, 4 * B * d);
     }
     return 0;
 }
@@ -280,20 +302,23 @@ static int run_layers(const model_t *m, const layer_t *layers, int64_t n_layers,
 int native_decode(const model_t *m, const layer_t *layers, int64_t n_layers, float *h,
                   int64_t B, const int64_t *positions, const int64_t *slots,
                   const int64_t *rows, const int64_t *tables, int64_t table_stride,
-                  const int64_t *lens, float *scratch, void *work, int nthreads,
-                  const lora_step_t *lora, float *lora_t) {
-    const step_buffers_t s = buffers(m, B, scratch);
+                  const int64_t *lens, float *scratch, void *work, int64_t work_stride,
+                  int nthreads, const lora_step_t *lora, float *lora_t) {
     int attention_failed = 0;
     if (lora && lora->n_layers != n_layers) return 1;
-    if (lora || !native_decode_in_team(m, layers, n_layers, B, nthreads))
+    if (lora || !native_decode_in_team(m, layers, n_layers, B, nthreads)) {
+        const step_buffers_t s = buffers(m, B, scratch, work, work_stride, 0);
         return run_layers(m, layers, n_layers, h, B, positions, slots, rows, tables,
-                          table_stride, lens, &s, work, nthreads, 0, &attention_failed, lora,
+                          table_stride, lens, &s, nthreads, 0, &attention_failed, lora,
                           lora_t);
+    }
     int rc = 0;
 #pragma omp parallel num_threads(nthreads)
     {
+        const step_buffers_t s = buffers(m, B, scratch, work, work_stride,
+                                         omp_get_thread_num());
         const int mine = run_layers(m, layers, n_layers, h, B, positions, slots, rows,
-                                    tables, table_stride, lens, &s, work, nthreads, 1,
+                                    tables, table_stride, lens, &s, nthreads, 1,
                                     &attention_failed, NULL, NULL);
 #pragma omp master
         rc = mine;
@@ -338,14 +363,15 @@ int native_decode_greedy(const model_t *m, const layer_t *layers, int64_t n_laye
                          const int64_t *positions, const int64_t *slots, const int64_t *rows,
                          const int64_t *tables, int64_t table_stride, const int64_t *lens,
                          float *h, float *normed, float *logits, float *scratch, void *work,
-                         int nthreads, const lora_step_t *lora, float *lora_t) {
+                         int64_t work_stride, int nthreads, const lora_step_t *lora,
+                         float *lora_t) {
     const int64_t d = m->d, vocab = g->head.n;
     for (int64_t k = 0; k < steps; k++) {
         for (int64_t r = 0; r < B; r++)
             memcpy(h + r * d, g->embed + ids[k * B + r] * d, 4 * d);
         const int rc = native_decode(m, layers, n_layers, h, B, positions + k * B,
                                      slots + k * B, rows, tables, table_stride, lens + k * B,
-                                     scratch, work, nthreads, lora, lora_t);
+                                     scratch, work, work_stride, nthreads, lora, lora_t);
         if (rc) return rc;
         m->rms_norm(h, d, g->final_norm, normed, d, B, d, m->eps, nthreads);
         if (project(&g->head, 0, normed, d, B, logits, work, nthreads)) return (int)n_layers + 1;

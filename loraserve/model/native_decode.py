@@ -69,9 +69,9 @@ class _GreedyHead(ctypes.Structure):
 def _configure(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.native_decode.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Layer), _i64, _ptr,
                                   _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr,
-                                  ctypes.c_int, _ptr, _ptr]
+                                  _i64, ctypes.c_int, _ptr, _ptr]
     lib.native_decode.restype = ctypes.c_int
-    lib.native_decode_scratch_floats.argtypes = [ctypes.POINTER(_Model), _i64]
+    lib.native_decode_scratch_floats.argtypes = [ctypes.POINTER(_Model), _i64, ctypes.c_int]
     lib.native_decode_scratch_floats.restype = _i64
     lib.native_decode_in_team.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Layer), _i64,
                                           _i64, ctypes.c_int]
@@ -79,7 +79,7 @@ def _configure(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.native_decode_greedy.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Layer), _i64,
                                          ctypes.POINTER(_GreedyHead), _i64, _i64, _ptr, _ptr,
                                          _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr,
-                                         _ptr, ctypes.c_int, _ptr, _ptr]
+                                         _ptr, _i64, ctypes.c_int, _ptr, _ptr]
     lib.native_decode_greedy.restype = ctypes.c_int
     return lib
 
@@ -228,15 +228,15 @@ class NativeDecode:
         layer on return), K/V written into `kv_caches`, the step's LoRA deltas added where
         `lora` is given (only where `takes_lora`)."""
         self._bind(kv_caches, attention)
-        b = h.shape[0]
-        scratch, work = self._buffers(b)
+        b, threads = h.shape[0], torch.get_num_threads()
+        scratch, work, stride = self._buffers(b, threads)
         tables = meta.decode_blocks
         lora_t = None if lora is None else torch.empty(b * lora.ldt)
         rc = self.lib.native_decode(
             self.model_desc, self.layers, len(self.layers), h.data_ptr(), b,
             positions.data_ptr(), meta.slot_mapping.data_ptr(), meta.decode_rows.data_ptr(),
             tables.data_ptr(), tables.stride(0), meta.decode_lens.data_ptr(),
-            scratch.data_ptr(), work.data_ptr(), torch.get_num_threads(),
+            scratch.data_ptr(), work.data_ptr(), stride, threads,
             None if lora is None else lora.desc.data_ptr(),
             None if lora_t is None else lora_t.data_ptr())
         if rc:
@@ -263,15 +263,15 @@ class NativeDecode:
         out[0] = torch.tensor(ids)
         h, normed = torch.empty(b, d), torch.empty(b, d)
         logits = torch.empty(b, self.greedy_head.head.n)
-        rows = torch.arange(b)
-        scratch, work = self._buffers(b)
+        rows, threads = torch.arange(b), torch.get_num_threads()
+        scratch, work, stride = self._buffers(b, threads)
         lora_t = None if lora is None else torch.empty(b * lora.ldt)
         rc = self.lib.native_decode_greedy(
             self.model_desc, self.layers, len(self.layers), self.greedy_head, steps, b,
             out.data_ptr(), pos.data_ptr(), slots.data_ptr(), rows.data_ptr(),
             table.data_ptr(), table.stride(0), lens.data_ptr(), h.data_ptr(),
-            normed.data_ptr(), logits.data_ptr(), scratch.data_ptr(), work.data_ptr(),
-            torch.get_num_threads(), None if lora is None else lora.desc.data_ptr(),
+            normed.data_ptr(), logits.data_ptr(), scratch.data_ptr(), work.data_ptr(), stride,
+            threads, None if lora is None else lora.desc.data_ptr(),
             None if lora_t is None else lora_t.data_ptr())
         if rc:
             where = "lm_head" if rc > len(self.layers) else f"layer {rc - 1}"
@@ -286,9 +286,11 @@ class NativeDecode:
             self.model_desc.block_size = attention.block_size
             self._caches = kv_caches
 
-    def _buffers(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A step's scratch floats and the GEMMs' work bytes for b rows."""
-        scratch = torch.empty(self.lib.native_decode_scratch_floats(self.model_desc, b))
-        work = torch.empty(max([64] + [fn(b, self.k_max) for fn in self.work_bytes]),
-                           dtype=torch.uint8)
-        return scratch, work
+    def _buffers(self, b: int, threads: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """A step's scratch floats for b rows, the GEMMs' work bytes and the stride between
+        the threads' shares of them (a thread of a team quantizes its own x)."""
+        scratch = torch.empty(self.lib.native_decode_scratch_floats(self.model_desc, b,
+                                                                    threads))
+        stride = -(-max([64] + [fn(b, self.k_max) for fn in self.work_bytes]) // 64) * 64
+        work = torch.empty(stride * max(threads, 1), dtype=torch.uint8)
+        return scratch, work, stride
