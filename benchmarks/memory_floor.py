@@ -22,6 +22,11 @@ lm_head). For each, in one process, alternating the formats round by round (medi
   between quiet and busy within a run the two bests can come from different rounds, so each
   round's ratio (its decode against its own copy rate, measured just before and after) is
   kept as well, with the round's copy rate: the rounds at the highest rate are the quiet ones;
+- a read stream beside the copy: a 1 GiB torch sum, bytes read per second, per round (and
+  each round's decode against it). A decode token only reads its weights; on a host whose
+  copy rate is well above what a read stream reaches (two cores on different dies of one
+  package: writes are posted, reads wait), the copy floor is below what any reader can do,
+  and this column says by how much;
 - proj_ms: every projection of the model once on one row, back to back (the weight stream a
   decode token is, without attention, norms or the engine): its ratio to the floor is the
   kernels' target (within 1.3x);
@@ -73,6 +78,17 @@ def copy_gbs(mib: int = 1024, reps: int = 5) -> float:
         dst.copy_(src)
         times.append(time.perf_counter() - t)
     return 2 * src.numel() * 4 / min(times[1:]) / 1e9
+
+
+def read_gbs(mib: int = 1024, reps: int = 3) -> float:
+    """The best of `reps` sums over 1 GiB of float32, in GB read per second."""
+    x = torch.ones(mib * 1024 * 1024 // 4)
+    times = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return x.numel() * 4 / min(times[1:]) / 1e9
 
 
 def projections(model) -> list:
@@ -145,7 +161,7 @@ def main() -> None:
     prompt = random_prompts(1, 16, vocab, seed=1)[0]
     samples: dict[str, dict[str, list[float]]] = {f: {} for f in formats}
     bandwidth = []
-    rounds: dict[str, list] = {f: [] for f in formats}  # (copy GB/s around it, decode s)
+    rounds: dict[str, list] = {f: [] for f in formats}  # (copy, read GB/s, decode s)
     for r in range(args.rounds):
         bandwidth.append(copy_gbs())
         for f in formats:
@@ -158,9 +174,9 @@ def main() -> None:
             if f in one_step and r % 2:
                 s.setdefault("one_step", []).append(decode_seconds(one_step[f], prompt,
                                                                    args.tokens))
-            before = copy_gbs(reps=2)
+            before, read = copy_gbs(reps=2), read_gbs()
             s.setdefault("decode", []).append(decode_seconds(llms[f], prompt, args.tokens))
-            rounds[f].append(((before + copy_gbs(reps=2)) / 2, s["decode"][-1]))
+            rounds[f].append(((before + copy_gbs(reps=2)) / 2, read, s["decode"][-1]))
             if f in one_step and not r % 2:
                 s.setdefault("one_step", []).append(decode_seconds(one_step[f], prompt,
                                                                    args.tokens))
@@ -185,9 +201,10 @@ def main() -> None:
                 "one_step_ms": round(min(s["one_step"]) * 1e3, 3),
                 "runs_gain": round(median([a / b for a, b in zip(s["one_step"], s["decode"],
                                                                   strict=True)]), 3)}),
-            "rounds": [{"copy_gbs": round(g, 1),
-                        "decode_over_floor": round(t / (nbytes / (g * 1e9)), 2)}
-                       for g, t in rounds[f]],
+            "rounds": [{"copy_gbs": round(g, 1), "read_gbs": round(rd, 1),
+                        "decode_over_floor": round(t / (nbytes / (g * 1e9)), 2),
+                        "decode_over_read": round(t / (nbytes / (rd * 1e9)), 2)}
+                       for g, rd, t in rounds[f]],
             **({} if args.floor_only else {
                 "rows32_vs_float32": round(median(base["rows32"]) / median(s["rows32"]), 2),
                 "prefill512_vs_float32": round(median(base["rows512"]) / median(s["rows512"]),
