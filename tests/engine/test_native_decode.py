@@ -72,11 +72,12 @@ def test_native_loop_equals_the_python_loop(llama, scheme, monkeypatch):
     assert _generate(llm) == native
 
 
+@pytest.mark.parametrize("team", [2, 3])  # 3: a thread past the second's buffers and work
 @pytest.mark.parametrize("scheme", ["none", "int8", "int4"])
-def test_one_team_per_step_equals_a_team_per_kernel(llama, scheme):
+def test_one_team_per_step_equals_a_team_per_kernel(llama, scheme, team):
     hf, _ = llama
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # a team needs two threads (CI hosts have two cores)
+    torch.set_num_threads(team)  # a team needs two threads (CI hosts have two cores)
     try:
         llm = LLM(str(hf), quantization=scheme, enable_prefix_caching=False)
         native = llm.engine.model.native
