@@ -22,7 +22,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "../ops/tuning.h" /* ELEMWISE_PARALLEL_MIN */
+#include "../ops/tuning.h" /* ELEMWISE_PARALLEL_MIN, TEAM_OWN_ROWS_MAX */
 
 typedef int (*gemm_fn)(int kind, const float *x, int64_t ldx, int64_t M, int64_t K,
                        const void *w, const void *w2, const void *w3, int64_t N, float *y,
@@ -113,8 +113,8 @@ typedef struct {
 
 /* Scratch floats of B rows: the buffers the threads share (q/k/v, the attention's output, a
  * projection's output of width d, gate/up), then each thread's own (its residual stream, the
- * norm's output, the MLP's product: every thread computes these on all the rows, see
- * run_layers). */
+ * norm's output, the MLP's product), where every thread computes these on all the rows (see
+ * run_layers); otherwise the first thread's are everyone's. */
 static int64_t shared_floats(const model_t *m, int64_t B) {
     return B * ((m->nh + 2 * m->kvh) * m->hd + m->nh * m->hd + m->d + 2 * m->inter);
 }
@@ -220,9 +220,9 @@ static void write_kv(const layer_t *L, const step_buffers_t *s, int64_t r0, int6
     }
 }
 
-/* This thread's rows [*r0, *r1) of B for the rope and the K/V write: an even share of a
- * team's (each row is computed by the same code whoever takes it, so the split changes no
- * bit), all of them outside a parallel region, where the calling thread is a team of one. */
+/* This thread's rows [*r0, *r1) of B: an even share of a team's (each row is computed by the
+ * same code whoever takes it, so the split changes no bit), all of them outside a parallel
+ * region, where the calling thread is a team of one. */
 static void my_rows(int64_t B, int64_t *r0, int64_t *r1) {
     const int64_t me = omp_get_thread_num(), team = omp_get_num_threads();
     *r0 = B * me / team;
@@ -231,15 +231,16 @@ static void my_rows(int64_t B, int64_t *r0, int64_t *r1) {
 
 /* The layer loop, on one thread or by every thread of one team (in_team). In a team, the
  * threads share out each projection's panels and the attention's items, each followed by the
- * team's barrier; the rope and the K/V write take each thread's share of the rows (my_rows),
- * then a barrier; and every thread computes the element-wise kernels between (the residual
- * add, the norms, silu) on all the rows, into its own copy of the residual stream, its own
- * norm output and MLP product. Why: the team runs only on few rows (team_fits), where these
- * are a few microseconds, and a share of them would need a barrier after each and carry its
- * rows to the other core: a barrier's round trip between two cores on different dies of the
- * package costs half a microsecond, and a layer had thirteen. Each row goes through the
- * same code whichever thread computes it, so every copy holds the same bits. On one thread
- * the residual stream is h itself. Returns as native_decode. */
+ * team's barrier, and the rope and the K/V write take each thread's share of the rows
+ * (my_rows), then a barrier. The element-wise kernels between (the residual add, the norms,
+ * silu) take a share each too, then a barrier, except up to TEAM_OWN_ROWS_MAX rows (`own`):
+ * there every thread computes them on all the rows, into its own copy of the residual
+ * stream, its own norm output and MLP product, and no barrier follows. Why: at one row a
+ * share is all or nothing, so the other thread waited anyway, and a barrier's round trip
+ * between two cores on different dies of the package costs half a microsecond: a layer has
+ * six barriers so, where it had thirteen. Each row goes through the same code whichever
+ * thread computes it, so every copy holds the same bits. Outside `own` the residual stream
+ * is h itself. Returns as native_decode. */
 static int run_layers(const model_t *m, const layer_t *layers, int64_t n_layers, float *h,
                       int64_t B, const int64_t *positions, const int64_t *slots,
                       const int64_t *rows, const int64_t *tables, int64_t table_stride,
@@ -248,11 +249,17 @@ static int run_layers(const model_t *m, const layer_t *layers, int64_t n_layers,
                       float *lora_t) {
     const int64_t d = m->d, nh = m->nh, kvh = m->kvh, hd = m->hd, inter = m->inter;
     void *work = s->work;
+    const int own = in_team && B <= TEAM_OWN_ROWS_MAX; /* the same for every thread */
     int64_t r0, r1;
     my_rows(B, &r0, &r1);
-    float *hh = in_team ? s->h : h;
-    if (in_team) memcpy(hh, h, 4 * B * d);
-    m->rms_norm(hh, d, m->first_norm, s->x, d, B, d, m->eps, nthreads);
+    /* this thread's rows of the element-wise kernels, and its residual stream */
+    const int64_t e0 = own ? 0 : r0, E = own ? B : r1 - r0;
+    float *hh = own ? s->h : h, *he = hh + e0 * d, *xe = s->x + e0 * d;
+    if (own) memcpy(hh, h, 4 * B * d);
+    m->rms_norm(he, d, m->first_norm, xe, d, E, d, m->eps, nthreads);
+    if (!own) {
+#pragma omp barrier
+    }
     for (int64_t li = 0; li < n_layers; li++) {
         const layer_t *L = &layers[li];
         /* a kernel's refusal depends on its arguments alone: every thread sees the same */
@@ -275,19 +282,29 @@ static int run_layers(const model_t *m, const layer_t *layers, int64_t n_layers,
         if (project_lora(&L->o, in_team, lora, lora_t, li, G_O, s->a, s->q_size, B, s->o, work,
                          nthreads))
             return (int)li + 1;
-        m->add_rms_norm(hh, d, s->o, d, m->residual, L->post_norm, s->x, d, B, d, m->eps,
-                        nthreads);
+        m->add_rms_norm(he, d, s->o + e0 * d, d, m->residual, L->post_norm, xe, d, E, d,
+                        m->eps, nthreads);
+        if (!own) {
+#pragma omp barrier
+        }
         if (project_lora(&L->gate_up, in_team, lora, lora_t, li, G_GATE_UP, s->x, d, B, s->gu,
                          work, nthreads))
             return (int)li + 1;
-        m->silu_mul(s->gu, 2 * inter, s->mlp, inter, B, inter, nthreads);
+        m->silu_mul(s->gu + e0 * 2 * inter, 2 * inter, s->mlp + e0 * inter, inter, E, inter,
+                    nthreads);
+        if (!own) {
+#pragma omp barrier
+        }
         if (project_lora(&L->down, in_team, lora, lora_t, li, G_DOWN, s->mlp, inter, B, s->o,
                          work, nthreads))
             return (int)li + 1;
-        m->add_rms_norm(hh, d, s->o, d, m->residual, L->next_norm, s->x, d, B, d, m->eps,
-                        nthreads);
+        m->add_rms_norm(he, d, s->o + e0 * d, d, m->residual, L->next_norm, xe, d, E, d,
+                        m->eps, nthreads);
+        if (!own) {
+#pragma omp barrier
+        }
     }
-    if (in_team) {
+    if (own) {
 #pragma omp master
         memcpy(h, hh, 4 * B * d);
     }
@@ -315,8 +332,10 @@ int native_decode(const model_t *m, const layer_t *layers, int64_t n_layers, flo
     int rc = 0;
 #pragma omp parallel num_threads(nthreads)
     {
+        /* a thread's own buffers and work where it computes every row (run_layers), else
+         * the first thread's, shared */
         const step_buffers_t s = buffers(m, B, scratch, work, work_stride,
-                                         omp_get_thread_num());
+                                         B <= TEAM_OWN_ROWS_MAX ? omp_get_thread_num() : 0);
         const int mine = run_layers(m, layers, n_layers, h, B, positions, slots, rows,
                                     tables, table_stride, lens, &s, nthreads, 1,
                                     &attention_failed, NULL, NULL);

@@ -175,21 +175,25 @@ int qpanel_gemm(int kind, const float *x, int64_t ldx, int64_t M, int64_t K, con
 }
 
 /* qpanel_gemm for a caller whose every thread of one OpenMP team calls it with the same
- * arguments but `work`, each thread its own (model/native_decode.c's layer loop runs a whole
- * step in one team, on few rows): every thread quantizes all of x into its work, and the
- * panels are an orphaned work-sharing loop over that team, ending in its barrier, so no team
- * is started per call. Why each thread quantizes x itself: x is a few rows, and a share of
- * them would need a barrier before the panels, then the other thread's quants carried
- * across the caches; a barrier's round trip between the cores costs more than the rows.
- * Each panel and row is computed by the same code as in qpanel_gemm, so the two give the
- * same bits. `nthreads` is the team's (unused). */
+ * arguments (model/native_decode.c's layer loop runs a whole step in one team): the loops
+ * below are orphaned work-sharing loops, shared out over that team, each ending in its
+ * barrier, so no team is started per call. Up to TEAM_OWN_ROWS_MAX rows, each thread passes
+ * its own `work` and quantizes all of x into it, with no barrier before the panels: a share
+ * of one row is all or nothing, and the barrier's round trip and the quants carried to the
+ * other core cost more than the row (tuning.h). Each panel and row is computed by the same
+ * code as in qpanel_gemm, so the two give the same bits. `nthreads` is the team's (unused). */
 int qpanel_gemm_team(int kind, const float *x, int64_t ldx, int64_t M, int64_t K,
                      const uint8_t *wp, const void *d, const void *m, int64_t N, float *y,
                      int64_t ldy, void *work, int nthreads) {
     (void)nthreads;
     qp_call_t c;
     if (qp_call(&c, kind, x, ldx, M, K, wp, d, m, N, y, ldy, work)) return -1;
-    for (int64_t r = 0; r < M; r++) quantize_row(x + r * ldx, K, c.act + r * c.rb);
+    if (M <= TEAM_OWN_ROWS_MAX) {
+        for (int64_t r = 0; r < M; r++) quantize_row(x + r * ldx, K, c.act + r * c.rb);
+    } else {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; r++) quantize_row(x + r * ldx, K, c.act + r * c.rb);
+    }
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < c.panels; p++) qp_panel(&c, p);
     return 0;

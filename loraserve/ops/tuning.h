@@ -198,4 +198,12 @@
 /* elements below which a kernel runs on one thread (kernel_ab.py elementwise) */
 #define ELEMWISE_PARALLEL_MIN (1 << 16)
 
+/* Rows up to which every thread of the native loop's team quantizes x and computes the
+ * element-wise kernels on all the rows itself, with no barrier after them
+ * (model/native_decode.c, ops/qpanel_gemm.c's qpanel_gemm_team); above, each thread takes a
+ * share of the rows and the team meets at a barrier. At one row a share is all or nothing,
+ * so the other thread waited anyway; at more, doing every row twice costs more than the
+ * barrier it saves, unless a barrier crosses dies (docs/cpu-kernels.md) */
+#define TEAM_OWN_ROWS_MAX 1
+
 #endif

@@ -39,9 +39,9 @@ def llama(tmp_path_factory):
     return tiny_llama_with_adapter(tmp_path_factory.mktemp("native"))
 
 
-def _generate(llm: LLM, lora=None):
+def _generate(llm: LLM, lora=None, prompts=PROMPTS):
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
-    outs = llm.generate(PROMPTS, sp, lora=lora)
+    outs = llm.generate(prompts, sp, lora=lora)
     assert all(o.error is None for o in outs)
     return [(o.token_ids, o.logprobs) for o in outs]
 
@@ -82,10 +82,11 @@ def test_one_team_per_step_equals_a_team_per_kernel(llama, scheme, team):
         llm = LLM(str(hf), quantization=scheme, enable_prefix_caching=False)
         native = llm.engine.model.native
         assert native.in_team(3) and native.in_team(1)
-        in_team = _generate(llm)
+        # one row: every thread computes the element-wise kernels itself; three: shares
+        in_team = _generate(llm), _generate(llm, prompts=PROMPTS[:1])
         native.use_team(False)
         assert not native.in_team(3)
-        assert _generate(llm) == in_team
+        assert (_generate(llm), _generate(llm, prompts=PROMPTS[:1])) == in_team
     finally:
         torch.set_num_threads(threads)
 
