@@ -187,16 +187,20 @@ int native_decode_in_team(const model_t *m, const layer_t *layers, int64_t n_lay
 }
 
 /* Scratch row pointers of one step, as one thread sees them: the shared buffers (qkv, a, o,
- * gu) and its own (h, x, mlp), and its GEMMs' work. */
+ * gu) and h, x, mlp and its GEMMs' work: its own where `own` (a thread of a team computing
+ * every row itself, up to TEAM_OWN_ROWS_MAX rows: run_layers), else the first thread's. */
 typedef struct {
     float *qkv, *a, *o, *gu, *h, *x, *mlp;
     void *work;
     int64_t q_size, kv_size, ld_qkv;
+    int own;
 } step_buffers_t;
 
 static step_buffers_t buffers(const model_t *m, int64_t B, float *scratch, void *work,
-                              int64_t work_stride, int me) {
-    step_buffers_t s = {.q_size = m->nh * m->hd, .kv_size = m->kvh * m->hd};
+                              int64_t work_stride, int in_team) {
+    step_buffers_t s = {.q_size = m->nh * m->hd, .kv_size = m->kvh * m->hd,
+                        .own = in_team && B <= TEAM_OWN_ROWS_MAX};
+    const int me = s.own ? omp_get_thread_num() : 0;
     s.ld_qkv = s.q_size + 2 * s.kv_size;
     s.qkv = scratch;
     s.a = s.qkv + B * s.ld_qkv;
@@ -249,7 +253,7 @@ static int run_layers(const model_t *m, const layer_t *layers, int64_t n_layers,
                       float *lora_t) {
     const int64_t d = m->d, nh = m->nh, kvh = m->kvh, hd = m->hd, inter = m->inter;
     void *work = s->work;
-    const int own = in_team && B <= TEAM_OWN_ROWS_MAX; /* the same for every thread */
+    const int own = s->own; /* the same for every thread */
     int64_t r0, r1;
     my_rows(B, &r0, &r1);
     /* this thread's rows of the element-wise kernels, and its residual stream */
@@ -332,10 +336,7 @@ int native_decode(const model_t *m, const layer_t *layers, int64_t n_layers, flo
     int rc = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        /* a thread's own buffers and work where it computes every row (run_layers), else
-         * the first thread's, shared */
-        const step_buffers_t s = buffers(m, B, scratch, work, work_stride,
-                                         B <= TEAM_OWN_ROWS_MAX ? omp_get_thread_num() : 0);
+        const step_buffers_t s = buffers(m, B, scratch, work, work_stride, 1);
         const int mine = run_layers(m, layers, n_layers, h, B, positions, slots, rows,
                                     tables, table_stride, lens, &s, nthreads, 1,
                                     &attention_failed, NULL, NULL);

@@ -92,8 +92,9 @@ void gemm_packed(const float *x, int64_t ldx, const float *packed, int64_t M, in
 /* gemm_packed for a caller whose every thread of one OpenMP team calls it with the same
  * arguments, `work` aside (model/native_decode.c's layer loop runs a step in one team): the
  * units are an orphaned work-sharing loop over that team, ending in its barrier, each
- * computed by the same code as in gemm_packed, so the two give the same bits. The signature is the layer loop's
- * projection kernel's: `w` the packed panels; kind, w2, w3, work and nthreads unused. */
+ * computed by the same code as in gemm_packed, so the two give the same bits. The signature
+ * is the layer loop's projection kernel's: `w` the packed panels; kind, w2, w3, work and
+ * nthreads unused. */
 int gemm_packed_team(int kind, const float *x, int64_t ldx, int64_t M, int64_t K,
                      const void *w, const void *w2, const void *w3, int64_t N, float *y,
                      int64_t ldy, void *work, int nthreads) {
