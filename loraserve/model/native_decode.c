@@ -20,96 +20,11 @@
  */
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "../ops/tuning.h" /* ELEMWISE_PARALLEL_MIN, TEAM_OWN_ROWS_MAX */
-
-typedef int (*gemm_fn)(int kind, const float *x, int64_t ldx, int64_t M, int64_t K,
-                       const void *w, const void *w2, const void *w3, int64_t N, float *y,
-                       int64_t ldy, void *work, int nthreads);
-typedef void (*rms_norm_fn)(const float *x, int64_t ldx, const float *w, float *out,
-                            int64_t ldo, int64_t T, int64_t d, float eps, int nthreads);
-typedef void (*add_rms_norm_fn)(float *h, int64_t ldh, const float *r, int64_t ldr,
-                                float alpha, const float *w, float *out, int64_t ldo,
-                                int64_t T, int64_t d, float eps, int nthreads);
-typedef void (*silu_mul_fn)(const float *gu, int64_t ldg, float *out, int64_t ldo, int64_t T,
-                            int64_t inter, int nthreads);
-typedef void (*rope_fn)(float *x, int64_t ldx, int64_t T, int64_t heads, int64_t hd,
-                        const int64_t *positions, const float *cos_t, const float *sin_t,
-                        int nthreads);
-typedef int (*attention_fn)(const float *q, int64_t q_stride, const int64_t *rows, float *out,
-                            int64_t out_stride, const float *k_cache, const float *v_cache,
-                            const int64_t *tables, int64_t table_stride, const int64_t *lens,
-                            int64_t n, int64_t nh, int64_t kvh, int64_t hd, int64_t block_size,
-                            float scale, int64_t window, float softcap, int nthreads);
-typedef int (*attention_team_fn)(const float *q, int64_t q_stride, const int64_t *rows,
-                                 float *out, int64_t out_stride, const float *k_cache,
-                                 const float *v_cache, const int64_t *tables,
-                                 int64_t table_stride, const int64_t *lens, int64_t n,
-                                 int64_t nh, int64_t kvh, int64_t hd, int64_t block_size,
-                                 float scale, int64_t window, float softcap, int nthreads,
-                                 int *failed);
-
-/* lora/sgmv_cpu.c's lora_sgmv: y += the segments' LoRA deltas (A, B: the group's slot pools) */
-typedef int (*sgmv_fn)(const float *x, int64_t ldx, float *y, int64_t ldy, const void *A,
-                       int64_t a_slot, int64_t d_in, const void *B, int64_t b_slot,
-                       const int64_t *segs, int64_t nseg, const int64_t *parts, int64_t npart,
-                       float *t, int64_t ldt, int64_t tile, int nthreads);
-
-/* One step's LoRA op, as ops/native_lora.py packs it (int64 fields, in that order): per
- * group, this step's segments and parts (nsegs 0: no adapter of the step targets it), and
- * per layer and group the A and B pools' addresses */
-typedef struct {
-    const int64_t *segs;
-    int64_t nsegs;
-    const int64_t *parts;
-    int64_t nparts, a_slot, b_slot, d_in;
-} lora_group_t;
-
-enum { G_QKV, G_O, G_GATE_UP, G_DOWN, N_GROUPS };
-
-typedef struct {
-    sgmv_fn fn;
-    int64_t tile, ldt, n_layers;
-    const void *const (*tables)[N_GROUPS][2]; /* [n_layers][group][A, B] */
-    lora_group_t groups[N_GROUPS];
-} lora_step_t;
-
-/* ops/gemm_cpu.c's float32 GEMM over its packed panels */
-typedef void (*gemm_f32_fn)(const float *x, int64_t ldx, const float *packed, int64_t M,
-                            int64_t N, int64_t K, float *y, int64_t ldy, int nthreads);
-#define KIND_F32_PANELS (-1)
-
-/* One projection: its kernel and that kernel's weight arguments (w, w2, w3 as the kernel
- * names them: quants and scales and offsets, in panels or in dot order; a float32 weight's
- * panels are w, its kind KIND_F32_PANELS and fn a gemm_f32_fn); team_fn the same kernel for
- * callers inside one team (qpanel_gemm_team, gemm_packed_team), or NULL where the kernel
- * has none */
-typedef struct {
-    gemm_fn fn, team_fn;
-    int64_t kind, n, k;
-    const void *w, *w2, *w3;
-} projection_t;
-
-typedef struct {
-    projection_t qkv, o, gate_up, down;
-    const float *post_norm;  /* before the MLP */
-    const float *next_norm;  /* the next layer's input norm; NULL after the last layer */
-    float *k_cache, *v_cache; /* [slots, kvh, hd] */
-    int64_t window;
-} layer_t;
-
-typedef struct {
-    rms_norm_fn rms_norm;
-    add_rms_norm_fn add_rms_norm;
-    silu_mul_fn silu_mul;
-    rope_fn rope;
-    attention_fn attention;
-    attention_team_fn attention_team; /* NULL: no step runs in one team */
-    int64_t d, nh, kvh, hd, inter, block_size;
-    float eps, residual, scale, softcap;
-    const float *first_norm, *cos, *sin;
-} model_t;
+#include "native_decode.h"
 
 /* Scratch floats of B rows: the buffers the threads share (q/k/v, the attention's output, a
  * projection's output of width d, gate/up), then each thread's own (its residual stream, the
@@ -346,57 +261,4 @@ int native_decode(const model_t *m, const layer_t *layers, int64_t n_layers, flo
     return rc;
 }
 
-/* ---- Several greedy decode steps in one call ---------------------------------------------- */
-
-/* What turns the last layer's residual stream into the next token: the final norm, lm_head
- * (a projection as above, outside any team, as the model's Python calls it) and the
- * embedding table the next step reads its input rows from */
-typedef struct {
-    projection_t head;
-    const float *final_norm; /* [d] */
-    const float *embed;      /* [rows, d], the family's scale applied */
-} greedy_head_t;
-
-/* A row's first maximum, NaN counting as the maximum: numpy's argmax, which the sampler takes
- * for greedy rows. Two passes, each one the compiler vectorizes: the maximum (and whether
- * any NaN), then the first index that holds it. */
-static int64_t first_argmax(const float *x, int64_t n) {
-    float top = x[0];
-    int any_nan = 0;
-    for (int64_t i = 0; i < n; i++) {
-        top = x[i] > top ? x[i] : top;
-        any_nan |= x[i] != x[i];
-    }
-    for (int64_t i = 0; i < n; i++)
-        if (any_nan ? x[i] != x[i] : x[i] == top) return i;
-    return 0;
-}
-
-/* `steps` decode steps of B greedy rows: each step's rows are embedded from ids[k] (ids is
- * [steps + 1][B]: the first row in, the tokens out), run through every layer (native_decode),
- * normed, projected to logits [B, vocab] and their first maxima written to ids[k + 1].
- * positions, slots and lens are [steps][B]: step k's, the tables hold every step's blocks;
- * lora and lora_t as native_decode's, the same every step (the rows' adapters do not change).
- * Returns 0, a 1-based layer as native_decode does, or n_layers + 1 where lm_head refused. */
-int native_decode_greedy(const model_t *m, const layer_t *layers, int64_t n_layers,
-                         const greedy_head_t *g, int64_t steps, int64_t B, int64_t *ids,
-                         const int64_t *positions, const int64_t *slots, const int64_t *rows,
-                         const int64_t *tables, int64_t table_stride, const int64_t *lens,
-                         float *h, float *normed, float *logits, float *scratch, void *work,
-                         int64_t work_stride, int nthreads, const lora_step_t *lora,
-                         float *lora_t) {
-    const int64_t d = m->d, vocab = g->head.n;
-    for (int64_t k = 0; k < steps; k++) {
-        for (int64_t r = 0; r < B; r++)
-            memcpy(h + r * d, g->embed + ids[k * B + r] * d, 4 * d);
-        const int rc = native_decode(m, layers, n_layers, h, B, positions + k * B,
-                                     slots + k * B, rows, tables, table_stride, lens + k * B,
-                                     scratch, work, work_stride, nthreads, lora, lora_t);
-        if (rc) return rc;
-        m->rms_norm(h, d, g->final_norm, normed, d, B, d, m->eps, nthreads);
-        if (project(&g->head, 0, normed, d, B, logits, work, nthreads)) return (int)n_layers + 1;
-        for (int64_t r = 0; r < B; r++)
-            ids[(k + 1) * B + r] = first_argmax(logits + r * vocab, vocab);
-    }
-    return 0;
-}
+#include "native_greedy.h" /* runs of greedy steps over the layer loop above */

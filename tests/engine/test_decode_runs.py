@@ -10,6 +10,8 @@ loop, and nobody can tell from the answers.
   prompt over a run's tokens gets the answer of an engine without the cache;
 - rows of adapters (plain LoRA over quantized weights) and base rows in one run get the
   tokens of one step a call;
+- in a team of two, whose threads take the first maximum of a half of the logits each, ties
+  go to the first column and a NaN is the maximum, as numpy's argmax has it;
 - after runs every block and refcount is accounted for (the engine's invariants);
 - requests that want more than the first maximum (sampling, logprobs), adapters the C loop
   does not run (over float32 panels), and batches with anything waiting, take one step a
@@ -17,6 +19,8 @@ loop, and nobody can tell from the answers.
 """
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
@@ -154,3 +158,46 @@ def test_one_step_a_call_for_what_a_run_cannot_do(tiny, monkeypatch):
     assert steps == []
     llm.generate(PROMPTS, GREEDY)
     assert steps and max(steps) > 1
+
+
+def _with_lm_head_rows(hf, root, rows: dict[int, float]) -> str:
+    """A copy of the tiny model whose lm_head rows are all one vector, except `rows` (index ->
+    a value every weight of that row takes): equal logits everywhere else."""
+    from safetensors.torch import load_file, save_file
+
+    out = root / "head"
+    shutil.copytree(hf, out, dirs_exist_ok=True)
+    (path,) = out.glob("*.safetensors")
+    weights = load_file(path)
+    key = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+    head = weights[key].clone()
+    head[:] = head[0]
+    for i, value in rows.items():
+        head[i] = value
+    weights[key] = head
+    save_file(weights, path, metadata={"format": "pt"})
+    return str(out)
+
+
+@pytest.mark.parametrize(("rows", "want"), [({}, 0), ({-1: float("nan")}, -1),
+                                            ({5: float("nan"), -3: float("nan")}, 5)])
+@pytest.mark.parametrize("prompts", [1, 3])
+def test_a_teams_maxima_join_as_numpys_argmax(tiny, tmp_path, rows, want, prompts):
+    """Where the layers run in one team of two, each thread takes the first maximum of its
+    half of the logits: ties (every logit equal) go to the first column, and a NaN anywhere
+    (one in each half: the first) is the maximum, as numpy's argmax (the one step a call's
+    sampler) has it, at one row (each thread every row itself) and at three."""
+    hf, _ = tiny
+    path = _with_lm_head_rows(hf, tmp_path, rows)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        plain, runs = _pair(path, "none")
+        vocab = runs.engine.model.config.vocab_size
+        assert runs.engine.model.native.in_team(prompts)
+        want_ids = _answers(plain.generate(PROMPTS[:prompts], GREEDY))
+        got = _answers(runs.generate(PROMPTS[:prompts], GREEDY))
+        assert got == want_ids
+        assert all(ids == [want % vocab] * 20 for ids, _, _ in got)
+    finally:
+        torch.set_num_threads(before)
