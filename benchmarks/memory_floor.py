@@ -27,6 +27,13 @@ lm_head). For each, in one process, alternating the formats round by round (medi
   copy rate is well above what a read stream reaches (two cores on different dies of one
   package: writes are posted, reads wait), the copy floor is below what any reader can do,
   and this column says by how much;
+- by placement (benchmarks/placement.py): this host's two cores move between one die of the
+  package and two, seconds to minutes each, and the copy rate with them (~30-34 against
+  ~43-50 GB/s) while a token's time moves less; a round's copy and decode can fall in
+  different placements. So each round also takes `--slices` short slices per format (a
+  256 MiB copy, then a decode), each with the barrier probe just before and after it, and
+  `by_placement` sets each placement's decodes against that placement's copies: best against
+  best, median against median, and how many slices each had;
 - proj_ms: every projection of the model once on one row, back to back (the weight stream a
   decode token is, without attention, norms or the engine): its ratio to the floor is the
   kernels' target (within 1.3x);
@@ -49,6 +56,7 @@ import time
 
 import torch
 from common import median, random_llama, random_prompts, scratch_dir, write_result
+from placement import tagged
 
 from loraserve import LLM, SamplingParams
 from loraserve.model.projections import weight_format
@@ -133,6 +141,27 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
             "prompts": len(ref)}
 
 
+def by_placement(samples: dict, copies: dict[str, list[float]], nbytes: int) -> dict:
+    """Per placement seen in both a copy and a decode slice: the decode's time per token
+    against the floor at that placement's copy rate, best against best and median against
+    median."""
+    out = {}
+    for where in ("one_die", "two_dies"):
+        decodes, rates = samples.get(("decode", where), []), copies.get(where, [])
+        if not decodes or not rates:
+            continue
+        floor = {k: nbytes / (g * 1e9) for k, g in (("best", max(rates)),
+                                                    ("median", median(rates)))}
+        out[where] = {"slices": {"decode": len(decodes), "copy": len(rates)},
+                      "copy_gbs": round(max(rates), 1),
+                      "copy_gbs_median": round(median(rates), 1),
+                      "decode_ms": round(min(decodes) * 1e3, 3),
+                      "decode_ms_median": round(median(decodes) * 1e3, 3),
+                      "decode_over_floor": round(min(decodes) / floor["best"], 2),
+                      "decode_over_floor_median": round(median(decodes) / floor["median"], 2)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
@@ -142,6 +171,8 @@ def main() -> None:
     ap.add_argument("--model", default="bundled", choices=["bundled", *SHAPES])
     ap.add_argument("--floor-only", action="store_true",
                     help="batch 1 only: no 32- and 512-row chains (short rounds)")
+    ap.add_argument("--slices", type=int, default=6,
+                    help="placement-tagged copy and decode slices per format and round")
     ap.add_argument("--one-step-too", action="store_true",
                     help="also decode with one step a call (decode_steps_per_call=1) each round")
     args = ap.parse_args()
@@ -162,6 +193,7 @@ def main() -> None:
     samples: dict[str, dict[str, list[float]]] = {f: {} for f in formats}
     bandwidth = []
     rounds: dict[str, list] = {f: [] for f in formats}  # (copy, read GB/s, decode s)
+    copies: dict[str, list[float]] = {}  # placement -> GB/s of its copy slices
     for r in range(args.rounds):
         bandwidth.append(copy_gbs())
         for f in formats:
@@ -180,6 +212,11 @@ def main() -> None:
             if f in one_step and not r % 2:
                 s.setdefault("one_step", []).append(decode_seconds(one_step[f], prompt,
                                                                    args.tokens))
+            for _ in range(args.slices):
+                where, rate = tagged(lambda: copy_gbs(mib=256, reps=2))
+                copies.setdefault(where, []).append(rate)
+                where, sec = tagged(lambda f=f: decode_seconds(llms[f], prompt, args.tokens))
+                s.setdefault(("decode", where), []).append(sec)
     gbs = max(bandwidth)
     ref = greedy(llms[formats[0]], PROMPTS) if bundled else None
     base = samples[formats[0]]
@@ -201,6 +238,7 @@ def main() -> None:
                 "one_step_ms": round(min(s["one_step"]) * 1e3, 3),
                 "runs_gain": round(median([a / b for a, b in zip(s["one_step"], s["decode"],
                                                                   strict=True)]), 3)}),
+            "by_placement": by_placement(s, copies, nbytes),
             "rounds": [{"copy_gbs": round(g, 1), "read_gbs": round(rd, 1),
                         "decode_over_floor": round(t / (nbytes / (g * 1e9)), 2),
                         "decode_over_read": round(t / (nbytes / (rd * 1e9)), 2)}
