@@ -59,6 +59,7 @@ SIMD_INLINE void block_dots(int KIND, int MR, uint8_t *const *a, const uint8_t *
         for (int t = 0; t < 4; t++) {
             const uint8_t *p = w + (4 * b + t) * 64;
             if (QPANEL_FETCH_AHEAD_4BIT && !h0) PREFETCH(p + QPANEL_FETCH_AHEAD_4BIT, PF_L1);
+            if (QPANEL_FETCH_L2_4BIT && !h0) PREFETCH(p + QPANEL_FETCH_L2_4BIT, PF_L2);
             __m256i w0[2], w1[2];  /* [half]: the first step (low nibbles), the second (high) */
             for (int j = 0; j < NH; j++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * (h0 + j)));
@@ -84,6 +85,7 @@ SIMD_INLINE void block_dots(int KIND, int MR, uint8_t *const *a, const uint8_t *
     for (int s = 0; s < 8; s++) {
         const uint8_t *p = w + (8 * b + s) * 64;
         if (QPANEL_FETCH_AHEAD_8BIT && !h0) PREFETCH(p + QPANEL_FETCH_AHEAD_8BIT, PF_L1);
+        if (QPANEL_FETCH_L2_8BIT && !h0) PREFETCH(p + QPANEL_FETCH_L2_8BIT, PF_L2);
         __m256i q[2], mag[2];
         for (int j = 0; j < NH; j++) {
             q[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 32 * (h0 + j))),

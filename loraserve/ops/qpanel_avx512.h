@@ -44,6 +44,8 @@ SIMD_INLINE void qp_tile(int KIND, int MR, uint8_t *const *a, int64_t K, const u
                 const __m512i v = _mm512_loadu_si512(w + (4 * b + t) * 64);
                 if (QPANEL_FETCH_AHEAD_4BIT)
                     PREFETCH(w + (4 * b + t) * 64 + QPANEL_FETCH_AHEAD_4BIT, PF_L1);
+                if (QPANEL_FETCH_L2_4BIT)
+                    PREFETCH(w + (4 * b + t) * 64 + QPANEL_FETCH_L2_4BIT, PF_L2);
                 const __m512i w0 = _mm512_and_si512(v, low);
                 const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
                 for (int r = 0; r < MR; r++) {
@@ -56,6 +58,8 @@ SIMD_INLINE void qp_tile(int KIND, int MR, uint8_t *const *a, int64_t K, const u
                 const __m512i wv = _mm512_loadu_si512(w + (8 * b + s) * 64);
                 if (QPANEL_FETCH_AHEAD_8BIT)
                     PREFETCH(w + (8 * b + s) * 64 + QPANEL_FETCH_AHEAD_8BIT, PF_L1);
+                if (QPANEL_FETCH_L2_8BIT)
+                    PREFETCH(w + (8 * b + s) * 64 + QPANEL_FETCH_L2_8BIT, PF_L2);
                 for (int r = 0; r < MR; r++)
                     sum[r] = _mm512_dpbusd_epi32(sum[r], wv, bcast4(a[r] + 32 * b + 4 * s));
             }
