@@ -100,11 +100,9 @@
  * fetch into L1 holds one of the core's few L1 miss slots until its line arrives, so the L1
  * fetches alone keep only about 4 KB in flight, and where a core has a way to memory of its
  * own (the Zen 4 host's two cores on two dies of the package) that is under what it can
- * read. The L2 fetch 12 KB ahead keeps the lines coming into L2 before the L1 fetch asks for
- * them. Batch-1 decode, 4-bit: 1.08x faster on two dies and 1.02x on one (AVX-512), 1.15x and
- * 1.02x (imitated AVX2); 8 and 24 KB ahead were slower than 12. AVX-512's 8-bit stream, which
- * fetches nothing into L1, was 0.77x with it; AVX2's 8-bit one 1.02x on one die
- * (docs/cpu-kernels.md; 0: none) */
+ * read. The L2 fetch keeps the lines coming into L2 before the L1 fetch asks for them. 12 KB
+ * was faster than 8 or 24 on both ISAs; AVX-512's 8-bit stream, which fetches nothing into
+ * L1, was slower with it (memory_floor.py by placement, docs/cpu-kernels.md; 0: none) */
 #ifndef QPANEL_FETCH_L2_4BIT
 #define QPANEL_FETCH_L2_4BIT 12288
 #endif
