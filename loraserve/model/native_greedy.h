@@ -26,16 +26,19 @@ static row_max_t first_max(const float *x, int64_t n) {
     return (row_max_t){0, x[0], 0};
 }
 
-/* The row's first maximum from the first maxima of its consecutive parts (parts[t] over
- * columns from starts[t]): the first part holding a NaN, else the first part whose maximum
- * none after it exceeds. */
-static int64_t join_maxima(const row_max_t *parts, const int64_t *starts, int n) {
+/* The first column of part t of n consecutive parts of a row of `vocab` columns */
+static int64_t part_begin(int64_t vocab, int t, int n) { return vocab * t / n; }
+
+/* The row's first maximum from the first maxima of its n parts (parts[t] over the columns
+ * from part_begin(vocab, t, n)): the first part holding a NaN, else the first part whose
+ * maximum none after it exceeds. */
+static int64_t join_maxima(const row_max_t *parts, int64_t vocab, int n) {
     int best = 0;
     for (int t = 0; t < n; t++) {
-        if (parts[t].nan) return starts[t] + parts[t].index;
+        if (parts[t].nan) return part_begin(vocab, t, n) + parts[t].index;
         if (parts[t].top > parts[best].top) best = t;
     }
-    return starts[best] + parts[best].index;
+    return part_begin(vocab, best, n) + parts[best].index;
 }
 
 /* What turns the last layer's residual stream into the next token: the final norm, lm_head
@@ -63,7 +66,7 @@ static int greedy_step_in_team(const model_t *m, const layer_t *layers, int64_t 
                                float *logits, float *scratch, void *work, int64_t work_stride,
                                int nthreads, row_max_t *parts) {
     const int64_t d = m->d, vocab = g->head.n;
-    int attention_failed = 0, rc = 0, team = 1;
+    int attention_failed = 0, rc = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         const step_buffers_t s = buffers(m, B, scratch, work, work_stride, 1);
@@ -85,19 +88,17 @@ static int greedy_step_in_team(const model_t *m, const layer_t *layers, int64_t 
         }
         if (!mine) {
             const int me = omp_get_thread_num(), n = omp_get_num_threads();
-            const int64_t c0 = vocab * me / n, c1 = vocab * (me + 1) / n;
+            const int64_t c0 = part_begin(vocab, me, n), c1 = part_begin(vocab, me + 1, n);
             for (int64_t r = 0; r < B; r++)
                 parts[r * n + me] = first_max(logits + r * vocab + c0, c1 - c0);
         }
 #pragma omp barrier
 #pragma omp master
         {
+            const int n = omp_get_num_threads();
             rc = mine;
-            team = omp_get_num_threads();
-            int64_t starts[64];
-            for (int t = 0; t < team; t++) starts[t] = vocab * t / team;
             for (int64_t r = 0; !rc && r < B; r++)
-                next_ids[r] = join_maxima(parts + r * team, starts, team);
+                next_ids[r] = join_maxima(parts + r * n, vocab, n);
         }
     }
     return rc;
@@ -119,7 +120,7 @@ int native_decode_greedy(const model_t *m, const layer_t *layers, int64_t n_laye
                          int64_t work_stride, int nthreads, const lora_step_t *lora,
                          float *lora_t) {
     const int64_t d = m->d, vocab = g->head.n;
-    const int in_team = !lora && g->head.team_fn && nthreads <= 64
+    const int in_team = !lora && g->head.team_fn
                         && native_decode_in_team(m, layers, n_layers, B, nthreads);
     row_max_t *parts = in_team ? malloc(sizeof(row_max_t) * (size_t)(nthreads * B)) : NULL;
     if (in_team && !parts) return (int)n_layers + 1;
